@@ -1,0 +1,23 @@
+# Every target sets up .venv first (scripts/setup.sh is idempotent: a no-op when nothing changed).
+PY := .venv/bin/python
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: setup test test-fast demo lint format
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow" tests
+
+demo: setup
+	bash scripts/demo.sh
+
+lint: setup
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+format: setup
+	.venv/bin/ruff check --fix . && .venv/bin/ruff format .

@@ -1,0 +1,328 @@
+"""FSDP2 plumbing shared by every trainer: process groups, sharding, full-parameter gather, checkpoints.
+
+- `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or starts a
+  one-process group when run as plain `python script.py`, so every code path below is the same for 1 and N ranks.
+  nccl on GPU, gloo on CPU, with a timeout so a dead rank turns into an error instead of a hang.
+- `load_model` + `shard_model`: any Hugging Face causal LM, `fully_shard` on each decoder layer and then the root.
+  On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction. On CPU: fp32 throughout.
+- `iter_full_params`: all-gathers one parameter at a time (no whole-model spike) for saving and weight pushes.
+- Checkpoints with torch.distributed.checkpoint (DCP) under `RUN/global_step_N/`:
+      model/              DCP of the model state dict (Hugging Face key names)
+      optim/              DCP of the optimizer state
+      huggingface/        config, generation config, tokenizer (and lora.json with LoRA), for shard_merge.py
+      trainer_state.json  step, data position, scheduler, world size, the resolved config, run info
+      rng/rank_R.pt       each rank's RNG states
+  They are written under `global_step_N.tmp/` and renamed when every rank has finished, so a crash never leaves a
+  half checkpoint that looks complete. DCP reshards on load, so a run saved on W ranks resumes on any number.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """How a model is sharded and where its state lives."""
+
+    param_dtype: str = "bfloat16"
+    """Compute dtype on GPU (master weights, optimizer state and gradient reduction stay fp32). CPU always uses fp32."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (slower; for models that do not fit)."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each layer's forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 600.0) -> Dist:
+    """Joins (or, without torchrun, creates) the default process group. Safe to call twice in one process.
+
+    Args:
+        timeout_s: collective timeout; a rank that dies makes the others fail after this long instead of hanging.
+    Returns:
+        Dist with rank, world size, local rank and the device this rank computes on.
+    """
+    if "RANK" not in os.environ:  # plain `python script.py`: a group of one, so the code path is the same
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
+        )
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python, torch (CPU and CUDA). Data order does not depend on this: the sampler has its own generator."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce(x: float | torch.Tensor, op: str = "sum", device: torch.device | None = None) -> float:
+    """All-reduces a scalar across ranks (sum, max or min) and returns a Python float."""
+    t = torch.as_tensor(x, dtype=torch.float64, device=device or _comm_device()).clone()
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return t.item()
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(
+    path: str,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in fp32.
+
+    fp32 is the master copy: FSDP2's mixed precision casts to bf16 for compute on GPU.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.expanduser(path),
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face model (each gets its own FSDP2 unit)."""
+    names = getattr(model, "_no_split_modules", None) or []
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:  # fall back to the usual `model.layers` ModuleList
+        inner = getattr(model, "model", model)
+        layers = list(getattr(inner, "layers", []))
+    if not layers:
+        raise ValueError(f"cannot find decoder layers in {type(model).__name__}; set _no_split_modules")
+    return layers
+
+
+def shard_model(model: nn.Module, device: torch.device, cfg: FSDPConfig) -> nn.Module:
+    """Moves `model` to `device` and wraps it with `fully_shard` per decoder layer, then the root.
+
+    Returns the same module, now an FSDPModule whose parameters are DTensors sharded on dim 0.
+    """
+    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()  # fp32 on CPU
+    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    else:
+        model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, full tensor) one parameter at a time; every rank must iterate in step (it all-gathers).
+
+    Tied parameters appear once, under their first name (as `named_parameters` reports them).
+    """
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        yield name, (t.to(dtype) if dtype is not None else t)
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
+    """Clips gradients to `max_norm` (global over ranks) and returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under `run_dir`, oldest first (a `.tmp` folder is an unfinished write)."""
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "trainer_state.json").is_file()]
+
+
+def resolve_resume(run_dir: str | Path, resume_mode: str) -> Path | None:
+    """`auto`: the newest complete checkpoint in run_dir (or None); `disable`: None; else the path given."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        ckpts = list_checkpoints(run_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(resume_mode).expanduser()
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"resume_mode={resume_mode!r}: {path / 'trainer_state.json'} does not exist")
+    return path
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    hf_files: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    prefix: str = "",
+) -> Path:
+    """Writes RUN/global_step_N/ from every rank (collective) and returns its path.
+
+    Args:
+        trainer_state: JSON-serialisable state (data position, scheduler, config...), written by rank 0.
+        hf_files: {"config": PretrainedConfig, "tokenizer": tokenizer, "generation_config": ..., "lora": dict}
+            saved under huggingface/ by rank 0 so the checkpoint is self-describing for shard_merge.py.
+        keep_last: delete older complete checkpoints beyond this many (None keeps all).
+        prefix: sub-folder for a second model in the same checkpoint (PPO's `critic/`); "" for the actor.
+    """
+    rank = dist.get_rank()
+    run_dir = Path(run_dir).expanduser()
+    final = run_dir / f"global_step_{step}"
+    tmp = run_dir / f"global_step_{step}.tmp"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier write of this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    base = tmp / prefix if prefix else tmp
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(base / "model"))
+    if optimizer is not None:
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(base / "optim"))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        _save_hf_files(base / "huggingface", hf_files or {})
+        state = dict(trainer_state, global_step=step, world_size=dist.get_world_size())
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep_last is not None:
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, prefix: str = ""
+) -> dict[str, Any]:
+    """Loads model (and optimizer) state saved by `save_checkpoint`, resharding to this job's world size.
+
+    Restores this rank's RNG states when the checkpoint has them for this rank. Returns trainer_state.json.
+    """
+    path = Path(path)
+    base = path / prefix if prefix else path
+    model_sd = get_model_state_dict(model)
+    dcp.load(model_sd, checkpoint_id=str(base / "model"))
+    set_model_state_dict(model, model_sd)
+    if optimizer is not None:
+        optim_sd = get_optimizer_state_dict(model, optimizer)
+        dcp.load(optim_sd, checkpoint_id=str(base / "optim"))
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=True))
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _save_hf_files(out: Path, files: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if files.get("config") is not None:
+        files["config"].save_pretrained(out)
+    if files.get("generation_config") is not None:
+        files["generation_config"].save_pretrained(out)
+    if files.get("tokenizer") is not None:
+        files["tokenizer"].save_pretrained(out)
+    if files.get("lora"):
+        (out / "lora.json").write_text(json.dumps(files["lora"], indent=2))

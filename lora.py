@@ -1,0 +1,259 @@
+"""flatrl's LoRA layer: wrap nn.Linear modules in place, merge, and export PEFT-loadable adapters.
+
+No peft at runtime; the parameter names and the adapter files match PEFT 0.21's so that a flatrl
+adapter loads with `peft.PeftModel.from_pretrained(base, adapter_dir)` and a merged state dict loads
+into a plain Hugging Face model (tests/test_lora.py checks both).
+
+    paths = apply_lora(model, rank=8, alpha=16, target_modules="all-linear")  # BEFORE fully_shard
+    ...train: only lora_A / lora_B require grad...
+    merged = merge_lora_state_dict(full_state_dict, rank=8, alpha=16)         # plain HF keys
+    save_adapter(out_dir, full_state_dict, 8, 16, "all-linear", "Qwen/Qwen2.5-0.5B")
+
+A wrapped module at `<path>` holds `<path>.base_layer.{weight,bias}` (frozen), `<path>.lora_A.weight`
+[r, in] and `<path>.lora_B.weight` [out, r]; forward = base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r.
+PEFT stores the same tensors under `<path>.lora_A.default.weight` (adapter name "default") and saves
+them as `base_model.model.<path>.lora_A.weight`; `adapter_state_dict` writes that saved form.
+
+FSDP2: call `apply_lora` before `fully_shard`. fully_shard turns every parameter into a sharded DTensor
+and registers hooks on the module tree as it stands, so swapping modules afterwards would leave
+unsharded parameters and stale hooks. FSDP2 shards frozen and trainable parameters side by side, so
+no `use_orig_params` flag is needed (FSDP1 needed it).
+
+Deviations from PEFT:
+1. A string `target_modules` other than "all-linear" is a comma-separated list of suffixes
+   ("q_proj,v_proj", handy on the CLI); PEFT reads a string as a regex matched against the full name.
+2. One adapter per module, no `bias`/`modules_to_save`/DoRA/rsLoRA options; lora_A/B take the base
+   layer's dtype (PEFT also keeps them in the base dtype unless `autocast_adapter_dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+ALL_LINEAR = "all-linear"
+# `<path>.lora_A.weight`, optionally with PEFT's adapter name: `<path>.lora_A.default.weight`.
+_LORA_KEY = re.compile(r"^(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update: y = W x + b + (B A x) * alpha / r."""
+
+    def __init__(self, base_layer: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        if rank <= 0:
+            raise ValueError(f"LoRA rank must be positive, got {rank}")
+        self.base_layer = base_layer
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        w = base_layer.weight  # [out, in]
+        kw = {"bias": False, "device": w.device, "dtype": w.dtype}
+        self.lora_A = nn.Linear(base_layer.in_features, rank, **kw)  # weight [r, in]
+        self.lora_B = nn.Linear(rank, base_layer.out_features, **kw)  # weight [out, r]
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # PEFT's default init (after loralib): A like nn.Linear's default, B = 0 so the wrapped model
+        # starts exactly at the base model. peft/tuners/lora/layer.py reset_lora_parameters.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., in] -> [..., out]."""
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}"
+
+
+def _parse_targets(target_modules: str | Sequence[str]) -> list[str] | None:
+    """None for "all-linear", else the list of module-name suffixes."""
+    if isinstance(target_modules, str):
+        if target_modules.strip().lower() == ALL_LINEAR:
+            return None
+        target_modules = target_modules.split(",")
+    targets = [t.strip() for t in target_modules if t.strip()]
+    if not targets:
+        raise ValueError("target_modules is empty; pass 'all-linear' or module-name suffixes like q_proj")
+    return targets
+
+
+def _output_layer_names(model: nn.Module) -> set[str]:
+    """Names of the output projection: `lm_head` plus whatever get_output_embeddings() returns (PEFT)."""
+    names = {"lm_head"}
+    get_out = getattr(model, "get_output_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    if out is not None:
+        names |= {name for name, m in model.named_modules() if m is out}
+    return names
+
+
+def apply_lora(
+    model: nn.Module, rank: int, alpha: float, target_modules: str | Sequence[str], dropout: float = 0.0
+) -> list[str]:
+    """Replace matching nn.Linear modules by LoRALinear in place and freeze every non-LoRA parameter.
+
+    Call before FSDP2's `fully_shard` (see the module docstring). The output layer is never wrapped,
+    so tied input/output embeddings stay tied and frozen.
+
+    Args:
+        model: the model to modify, e.g. a Qwen2ForCausalLM.
+        rank: LoRA rank r.
+        alpha: LoRA alpha; the update is scaled by alpha / r.
+        target_modules: "all-linear" (every nn.Linear except the output layer, PEFT's meaning) or a
+            list / comma-separated string of module-name suffixes; a suffix matches `name == s` or
+            `name.endswith("." + s)`, as in PEFT.
+        dropout: dropout on the LoRA branch input (PEFT's lora_dropout).
+
+    Returns:
+        The dotted module paths that were wrapped, in named_modules() order.
+    """
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("model already has LoRA layers; apply_lora must run once")
+    targets = _parse_targets(target_modules)
+    excluded = _output_layer_names(model)
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in excluded]
+    if targets is None:
+        chosen = linear
+    else:
+        chosen = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in targets)]
+    if not chosen:
+        avail = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
+        raise ValueError(
+            f"target_modules {target_modules!r} matched no nn.Linear module; "
+            f"available suffixes: {avail[:12]}{' ...' if len(avail) > 12 else ''}"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(module, rank, alpha, dropout))
+    return [n for n, _ in chosen]
+
+
+def _lora_pairs(state_dict: dict[str, Tensor]) -> dict[str, dict[str, str]]:
+    """{module path: {"A": key, "B": key}} for every LoRA module in the state dict."""
+    pairs: dict[str, dict[str, str]] = {}
+    for key in state_dict:
+        m = _LORA_KEY.match(key)
+        if m:
+            pairs.setdefault(m["path"], {})[m["ab"]] = key
+    for path, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA module {path!r} has only lora_{''.join(ab)} in the state dict")
+    return pairs
+
+
+def merge_lora_state_dict(state_dict: dict[str, Tensor], rank: int, alpha: float) -> dict[str, Tensor]:
+    """Fold LoRA into the base weights: a LoRA state dict -> a plain Hugging Face state dict.
+
+    For each LoRA module `<path>`: `<path>.weight = base + (B @ A) * alpha / rank` (B [out, r],
+    A [r, in]), computed in fp32 and cast back to the base dtype; `<path>.base_layer.bias` becomes
+    `<path>.bias`; lora keys are dropped. Other keys pass through unchanged. Pure: inputs untouched.
+
+    Args:
+        state_dict: a full (unsharded) state dict of a model after apply_lora.
+        rank, alpha: the values given to apply_lora (rank is checked against lora_A's shape).
+
+    Returns:
+        A new dict with the keys the unwrapped model expects.
+    """
+    pairs = _lora_pairs(state_dict)
+    merged: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for path, ab in pairs.items():
+        base_key = f"{path}.base_layer.weight"
+        if base_key not in state_dict:
+            raise KeyError(f"LoRA module {path!r} has no {base_key} in the state dict")
+        base, lora_a, lora_b = state_dict[base_key], state_dict[ab["A"]], state_dict[ab["B"]]
+        if lora_a.shape[0] != rank:
+            raise ValueError(f"{ab['A']} has rank {lora_a.shape[0]}, expected {rank}")
+        delta = (lora_b.float() @ lora_a.float()) * (alpha / rank)  # [out, r] @ [r, in] -> [out, in]
+        merged[f"{path}.weight"] = (base.float() + delta).to(base.dtype)
+        used |= {base_key, ab["A"], ab["B"]}
+        bias_key = f"{path}.base_layer.bias"
+        if bias_key in state_dict:
+            merged[f"{path}.bias"] = state_dict[bias_key]
+            used.add(bias_key)
+    for key, value in state_dict.items():
+        if key not in used:
+            merged[key] = value
+    return merged
+
+
+def adapter_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The LoRA tensors under PEFT's saved names: `base_model.model.<path>.lora_{A,B}.weight`.
+
+    Args:
+        state_dict: a full state dict of a model after apply_lora (`.default` adapter names accepted).
+
+    Returns:
+        Only the lora_A [r, in] / lora_B [out, r] weights, renamed; what PEFT's save_pretrained writes.
+    """
+    return {
+        f"base_model.model.{path}.lora_{x}.weight": state_dict[key]
+        for path, ab in _lora_pairs(state_dict).items()
+        for x, key in sorted(ab.items())
+    }
+
+
+def save_adapter(
+    out_dir: str | Path,
+    state_dict: dict[str, Tensor],
+    rank: int,
+    alpha: float,
+    target_modules: str | Sequence[str],
+    base_model_name_or_path: str,
+    dropout: float = 0.0,
+) -> Path:
+    """Write a PEFT LoRA adapter folder: adapter_config.json + adapter_model.safetensors.
+
+    Args:
+        out_dir: folder to create (or overwrite files in).
+        state_dict: a full state dict of a model after apply_lora.
+        rank, alpha, dropout: the values given to apply_lora.
+        target_modules: as given to apply_lora; written as "all-linear" or as the suffixes that
+            matched a wrapped module (PEFT re-matches them against the base model on load).
+        base_model_name_or_path: recorded for PEFT / the Hub; from_pretrained(base, dir) ignores it.
+
+    Returns:
+        The output folder.
+    """
+    weights = adapter_state_dict(state_dict)
+    if not weights:
+        raise ValueError("state_dict has no lora_A/lora_B weights; was apply_lora called?")
+    paths = list(_lora_pairs(state_dict))
+    targets = _parse_targets(target_modules)
+    if targets is not None:
+        targets = sorted(t for t in targets if any(p == t or p.endswith("." + t) for p in paths))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": ALL_LINEAR if targets is None else targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": base_model_name_or_path,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors refuses views/shared storage; contiguous CPU copies are what PEFT writes too.
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in weights.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return out

@@ -1,0 +1,184 @@
+"""config.py: defaults, strict YAML overrides, CLI precedence, --print-config round trip, move_keys."""
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import config  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimCfg:
+    lr: float = 1e-3
+    """peak learning rate"""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    warmup_steps: int = 10
+    """linear warmup (steps)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCfg:
+    path: str = "~/models/tiny"
+    """model folder (~ expanded by the script)"""
+    revision: str | None = None
+    """optional revision"""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """parameter dtype"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyCfg:
+    """A tiny config tree for the tests."""
+
+    model: ModelCfg = ModelCfg()
+    """the model"""
+    optim: OptimCfg = OptimCfg(warmup_steps=5)  # a parent default that differs from the class default
+    """the optimizer"""
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console"])
+    """logging backends"""
+    total_steps: int = 100
+    """training steps"""
+    packing: bool = False
+    """pack sequences"""
+    max_grad_norm: float | None = 1.0
+    """clip norm; None disables"""
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults():
+    cfg = config.parse(TinyCfg, [])
+    assert cfg == TinyCfg()
+    assert cfg.optim.warmup_steps == 5 and cfg.optim.lr == 1e-3 and cfg.logger == ["console"]
+
+
+def test_yaml_override_and_coercions(tmp_path):
+    path = _write(
+        tmp_path,
+        "optim:\n  lr: 2e-5\n  betas: [0.8, 1]\nmodel:\n  revision: main\n  dtype: fp32\n"
+        "logger: [console, jsonl]\npacking: true\nmax_grad_norm: ~\n",
+    )
+    assert yaml.safe_load(open(path))["optim"]["lr"] == "2e-5"  # the PyYAML quirk being handled
+    cfg = config.parse(TinyCfg, ["--config", path])
+    assert cfg.optim.lr == 2e-5 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.betas == (0.8, 1.0) and isinstance(cfg.optim.betas, tuple)
+    assert cfg.optim.warmup_steps == 5  # keys absent from YAML keep the parent's default, not the class's
+    assert cfg.model == ModelCfg(revision="main", dtype="fp32")
+    assert cfg.model.path == "~/models/tiny"  # ~ is not expanded
+    assert cfg.logger == ["console", "jsonl"] and cfg.packing is True and cfg.max_grad_norm is None
+    assert cfg.total_steps == 100
+
+
+def test_cli_beats_yaml(tmp_path):
+    path = _write(tmp_path, "optim:\n  lr: 2e-5\ntotal_steps: 7\n")
+    cfg = config.parse(TinyCfg, ["--optim.lr", "3e-4", f"--config={path}", "--logger", "jsonl"])
+    assert cfg.optim.lr == 3e-4  # CLI
+    assert cfg.total_steps == 7  # YAML
+    assert cfg.optim.warmup_steps == 5  # default
+    assert cfg.logger == ["jsonl"]
+    cfg = config.parse(TinyCfg, ["--config", path, "--total-steps", "9"])  # tyro's hyphen spelling too
+    assert cfg.total_steps == 9 and cfg.optim.lr == 2e-5
+
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("optim:\n  lrr: 1.0\n", ["unknown key 'optim.lrr'", "known: lr, betas, warmup_steps"]),
+        ("totl_steps: 3\n", ["unknown key 'totl_steps'"]),
+        ("total_steps: ten\n", ["'total_steps'", "int"]),
+        ("total_steps: 1.5\n", ["'total_steps'", "int"]),
+        ("packing: 'yes'\n", ["'packing'", "bool"]),
+        ("packing: 1\n", ["'packing'", "bool"]),
+        ("model:\n  dtype: fp16\n", ["'model.dtype'", "bf16", "fp32", "fp16"]),
+        ("optim:\n  lr: fast\n", ["'optim.lr'", "float"]),
+        ("optim:\n  lr: ~\n", ["'optim.lr'", "null"]),
+        ("optim:\n  betas: [0.9]\n", ["'optim.betas'", "2 items"]),
+        ("optim: 3\n", ["'optim'"]),
+        ("logger: console\n", ["'logger'"]),
+        ("logger: [console, 3]\n", ["'logger[1]'"]),
+    ],
+)
+def test_strict_errors_name_the_key(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(SystemExit) as exc:
+        config.parse(TinyCfg, ["--config", path])
+    msg = str(exc.value.code)
+    assert msg.startswith(f"error: {path}: ")
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_from_dict_raises_config_error_as_value_error():
+    with pytest.raises(ValueError, match=r"ckpt/config.yaml: unknown key 'model.pth'"):
+        config.from_dict(TinyCfg, {"model": {"pth": "x"}}, source="ckpt/config.yaml")
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    path = _write(tmp_path, "optim:\n  lr: 2e-5\nmodel:\n  revision: main\n")
+    argv = ["--config", path, "--packing", "--optim.betas", "0.5", "0.6", "--max_grad_norm", "None"]
+    expected = config.parse(TinyCfg, argv)
+    with pytest.raises(SystemExit) as exc:
+        config.parse(TinyCfg, argv + ["--print-config"])
+    assert exc.value.code == 0
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["optim"]["lr"] == 2e-5
+    back = config.parse(TinyCfg, ["--config", _write(tmp_path, printed)])
+    assert back == expected
+    assert back.optim.betas == (0.5, 0.6) and back.packing is True and back.max_grad_norm is None
+    assert config.from_dict(TinyCfg, config.to_dict(expected)) == expected  # the resume path
+    assert config.to_dict(expected)["optim"] == {"lr": 2e-5, "betas": [0.5, 0.6], "warmup_steps": 5}
+
+
+def test_help_shows_yaml_defaults(tmp_path, capsys):
+    path = _write(tmp_path, "total_steps: 4321\n")
+    with pytest.raises(SystemExit) as exc:
+        config.parse(TinyCfg, ["--config", path, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "4321" in out and "training steps" in out and "--print-config" in out
+
+
+def test_move_keys_and_yaml_hook(tmp_path):
+    verl = {
+        "actor_rollout_ref": {
+            "model": {"path": "/m"},
+            "actor": {"optim": {"lr": "1e-6"}, "ppo_epochs": 1},
+        },
+        "trainer": {"total_training_steps": 3, "nnodes": 1},
+        "optim": {"warmup_steps": 2},
+    }
+    moves = {
+        "actor_rollout_ref.model": "model",
+        "actor_rollout_ref.actor.optim": "optim",
+        "trainer.total_training_steps": "total_steps",
+        "trainer.nnodes": None,
+        "not.there": "model",
+    }
+    out = config.move_keys(verl, moves)
+    assert out == {
+        "actor_rollout_ref": {"actor": {"ppo_epochs": 1}},  # the unmapped key stays, to be flagged
+        "model": {"path": "/m"},
+        "optim": {"warmup_steps": 2, "lr": "1e-6"},  # merged with the existing section
+        "total_steps": 3,
+    }
+    assert verl["trainer"] == {"total_training_steps": 3, "nnodes": 1}  # input untouched
+    with pytest.raises(ValueError, match="overwrite existing 'optim.warmup_steps'"):
+        config.move_keys({"a": {"warmup_steps": 1}, "optim": {"warmup_steps": 2}}, {"a": "optim"})
+
+    moves["actor_rollout_ref.actor.ppo_epochs"] = None
+    path = _write(tmp_path, yaml.safe_dump(verl))
+    cfg = config.parse(TinyCfg, ["--config", path], yaml_hook=lambda d: config.move_keys(d, moves))
+    assert cfg.model.path == "/m" and cfg.optim.lr == 1e-6 and cfg.optim.warmup_steps == 2
+    assert cfg.total_steps == 3
+    with pytest.raises(SystemExit, match="unknown key 'actor_rollout_ref'"):
+        config.parse(TinyCfg, ["--config", path])  # without the hook the foreign layout is rejected

@@ -1,0 +1,196 @@
+"""lora.py against the base model, against its own merge, and against peft 0.21 (the compatibility proof)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lora import LoRALinear, adapter_state_dict, apply_lora, merge_lora_state_dict, save_adapter
+
+torch.set_num_threads(2)
+RANK, ALPHA = 4, 8.0
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_qwen(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(cfg).float().eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(seed))  # [B, T]
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits  # [B, T, V]
+
+
+def train_a_bit(model: torch.nn.Module, ids: torch.Tensor, steps: int = 5) -> list[float]:
+    """A few AdamW steps on next-token CE over the LoRA params only; returns the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(base model, trained LoRA model, input ids, losses): all-linear LoRA after 5 AdamW steps."""
+    base = tiny_qwen()
+    model = copy.deepcopy(base)
+    apply_lora(model, RANK, ALPHA, "all-linear")
+    ids = tokens()
+    losses = train_a_bit(model.train(), ids)
+    return base, model.eval(), ids, losses
+
+
+def test_starts_at_base_and_freezes_everything_else():
+    base = tiny_qwen()
+    model = copy.deepcopy(base)
+    paths = apply_lora(model, RANK, ALPHA, ["q_proj", "v_proj"])
+    assert paths == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    ids = tokens()
+    assert torch.equal(logits_of(model, ids), logits_of(base, ids))  # B = 0: exactly the base
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == sorted(f"{p}.lora_{x}.weight" for p in paths for x in "AB")
+    layer = model.get_submodule(paths[0])
+    assert isinstance(layer, LoRALinear) and layer.scaling == ALPHA / RANK
+    assert layer.lora_A.weight.shape == (RANK, 64) and layer.lora_B.weight.shape == (64, RANK)
+    assert layer.lora_A.weight.abs().sum() > 0 and layer.lora_B.weight.abs().sum() == 0
+    # kaiming_uniform(a=sqrt(5)) on [r, in] is U(-1/sqrt(in), 1/sqrt(in)), nn.Linear's default.
+    assert layer.lora_A.weight.abs().max() <= 1 / 64**0.5
+    # q_proj keeps its bias, frozen, under base_layer (PEFT's name).
+    assert "model.layers.0.self_attn.q_proj.base_layer.bias" in model.state_dict()
+
+
+def test_training_moves_only_lora_and_lowers_loss(trained):
+    base, model, ids, losses = trained
+    assert losses[-1] < losses[0] - 0.05, losses
+    diff = (logits_of(model, ids) - logits_of(base, ids)).abs().max().item()
+    assert diff > 1e-3
+    base_sd = base.state_dict()
+    merged_keys_unchanged = merge_lora_state_dict(model.state_dict(), RANK, ALPHA)
+    # Frozen tensors (embeddings = tied lm_head, norms) are bit-identical to the base.
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert torch.equal(merged_keys_unchanged[key], base_sd[key])
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def test_merged_state_dict_loads_into_plain_model(trained):
+    base, model, ids, _ = trained
+    merged = merge_lora_state_dict(model.state_dict(), RANK, ALPHA)
+    assert set(merged) == set(base.state_dict())
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+    fresh = tiny_qwen(seed=123)
+    fresh.load_state_dict(merged, strict=True)
+    err = (logits_of(fresh, ids) - logits_of(model, ids)).abs().max().item()
+    assert err < 1e-5, err
+    # Hand check of one weight: base + (B @ A) * alpha / r.
+    q = model.model.layers[1].self_attn.q_proj
+    expect = q.base_layer.weight + q.lora_B.weight @ q.lora_A.weight * (ALPHA / RANK)
+    assert torch.allclose(merged["model.layers.1.self_attn.q_proj.weight"], expect, atol=1e-6)
+    assert torch.equal(merged["model.layers.1.self_attn.q_proj.bias"], q.base_layer.bias)
+
+
+def test_merge_keeps_base_dtype_and_accepts_peft_names():
+    a, b = torch.randn(2, 3), torch.randn(5, 2)
+    w = torch.randn(5, 3).bfloat16()
+    sd = {"m.base_layer.weight": w, "m.lora_A.default.weight": a, "m.lora_B.default.weight": b}
+    out = merge_lora_state_dict(sd, rank=2, alpha=6.0)
+    assert list(out) == ["m.weight"] and out["m.weight"].dtype == torch.bfloat16
+    assert torch.allclose(out["m.weight"].float(), (w.float() + 3.0 * b @ a).bfloat16().float())
+    with pytest.raises(ValueError, match="rank 2, expected 4"):
+        merge_lora_state_dict(sd, rank=4, alpha=6.0)
+
+
+def test_peft_loads_saved_adapter(trained, tmp_path):
+    peft = pytest.importorskip("peft")
+    _, model, ids, _ = trained
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    tiny_qwen().save_pretrained(base_dir)
+    save_adapter(adapter_dir, model.state_dict(), RANK, ALPHA, "all-linear", str(base_dir))
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["target_modules"] == "all-linear" and config["r"] == RANK
+    peft_model = peft.PeftModel.from_pretrained(
+        Qwen2ForCausalLM.from_pretrained(base_dir), adapter_dir
+    ).eval()
+    err = (logits_of(peft_model, ids) - logits_of(model, ids)).abs().max().item()
+    assert err < 1e-5, err
+    # PEFT's own export of what it loaded has exactly our file's keys and values.
+    ours = load_file(adapter_dir / "adapter_model.safetensors")
+    theirs = peft.get_peft_model_state_dict(peft_model)
+    assert set(ours) == set(theirs) and len(ours) == 2 * 7 * 2
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_peft_loads_list_targets(tmp_path):
+    peft = pytest.importorskip("peft")
+    model, ids = tiny_qwen(), tokens()
+    apply_lora(model, RANK, ALPHA, "v_proj, down_proj, not_here")
+    with torch.no_grad():  # give B a value so the adapter is not a no-op
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.normal_(std=0.1)
+    tiny_qwen().save_pretrained(tmp_path / "base")
+    save_adapter(tmp_path / "ad", model.state_dict(), RANK, ALPHA, "v_proj,down_proj,not_here", "x")
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "v_proj"]  # only suffixes that were wrapped
+    base = Qwen2ForCausalLM.from_pretrained(tmp_path / "base")
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    assert (logits_of(model, ids) - logits_of(tiny_qwen(), ids)).abs().max() > 1e-3
+    err = (logits_of(peft_model, ids) - logits_of(model, ids)).abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_all_linear_matches_peft_and_skips_lm_head():
+    peft = pytest.importorskip("peft")
+    model = tiny_qwen()
+    paths = apply_lora(model, RANK, ALPHA, "all-linear")
+    assert sorted({p.rsplit(".", 1)[-1] for p in paths}) == sorted(ALL) and len(paths) == 14
+    assert "lm_head" not in paths and isinstance(model.lm_head, torch.nn.Linear)
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
+    peft_model = peft.get_peft_model(tiny_qwen(), cfg)
+    peft_paths = [
+        n.removeprefix("base_model.model.")
+        for n, m in peft_model.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    ]
+    assert sorted(peft_paths) == sorted(paths)
+    # Same parameter names as PEFT once its ".default" adapter name and wrapper prefix are dropped.
+    peft_names = {
+        n.removeprefix("base_model.model.").replace(".default", "") for n, _ in peft_model.named_parameters()
+    }
+    assert peft_names == {n for n, _ in model.named_parameters()}
+    assert set(adapter_state_dict(model.state_dict())) == set(peft.get_peft_model_state_dict(peft_model))
+
+
+def test_bad_targets_error():
+    with pytest.raises(ValueError, match=r"'qq_proj'.*available suffixes: \['down_proj'"):
+        apply_lora(tiny_qwen(), RANK, ALPHA, ["qq_proj"])
+    with pytest.raises(ValueError, match="empty"):
+        apply_lora(tiny_qwen(), RANK, ALPHA, " , ")
+    model = tiny_qwen()
+    apply_lora(model, RANK, ALPHA, "q_proj")
+    with pytest.raises(ValueError, match="once"):
+        apply_lora(model, RANK, ALPHA, "q_proj")

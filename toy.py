@@ -1,0 +1,273 @@
+"""The offline tiny model and task: flatrl's deterministic default for tests and `make demo`.
+
+No model hub is reachable on the machines flatrl is tested on, so this script makes everything an
+end-to-end run needs from a seed, byte-identical for the same seed:
+
+    python toy.py --out runs/toy [--seed 0] [--n-train 4000] [--n-val 200]
+
+writes
+
+    DIR/model/            a tiny Qwen2ForCausalLM (random init, head_dim 64, tied embeddings), a byte-level
+                          BPE tokenizer trained here (digits always single tokens), a Qwen-style chat
+                          template and generation_config.json; loads with AutoTokenizer/AutoModelForCausalLM
+                          exactly as Qwen/Qwen2.5-0.5B does.
+    DIR/sft/{train,val}.parquet   string columns `prompt`, `response` (a worked solution ending in `#### N`).
+    DIR/rl/{train,val}.parquet    verl's RL schema: data_source "flatrl/toy", prompt (chat messages), ability,
+                                  reward_model {style: "rule", ground_truth}, extra_info {split, index}.
+
+The task is column addition of two two-digit numbers, e.g. "What is 47 + 38?" answered by
+
+    7+8=15, carry 1
+    4+3+1=8
+    #### 85
+
+The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. The worked step
+per column makes the task learnable by a 2-layer, 128-wide model in minutes on two CPU cores; without it
+(and with multi-digit number tokens) a bigger model stays near 0% exact match.
+
+Deviations from a real Qwen2.5 checkpoint:
+1. The chat template has no default system message (Qwen2.5 inserts "You are Qwen, ..."): it would be most
+   of every sequence here.
+2. No tool-call or multimodal special tokens; the vocabulary is 256 bytes + a few merges + 3 specials.
+3. Weights are saved in float32 (Qwen ships bfloat16): a few MB, and CPU tests run in float32 anyway.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import tyro
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+DATA_SOURCE = "flatrl/toy"
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen2's pre-tokenizer split pattern, verbatim from transformers/models/qwen2/tokenization_qwen2.py.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen2.5's template minus the default system prompt and tool calls (deviation 1 in the docstring).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    """Where to write the toy model and data, and how much data."""
+
+    out: str
+    """Output folder; gets model/, sft/ and rl/ subfolders."""
+    seed: int = 0
+    """Seeds the weight init and the problem draw; the same seed gives byte-identical files."""
+    n_train: int = 4000
+    """Problems in each of sft/train.parquet and rl/train.parquet."""
+    n_val: int = 200
+    """Problems in sft/val.parquet and rl/val.parquet (the same problems, disjoint from every train problem)."""
+
+
+def all_problems() -> list[tuple[int, int]]:
+    """Every problem of the task, in a fixed order: the pairs (a, b) with 10 <= a, b <= 99."""
+    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+
+
+def solve(a: int, b: int) -> tuple[str, str]:
+    """Worked column-addition solution of a + b and its answer, e.g. (47, 38) -> "7+8=15, carry 1\\n...".
+
+    Returns:
+        (solution, answer): the solution ends with the line `#### <answer>`.
+    """
+    ones = a % 10 + b % 10
+    carry = ones // 10
+    tens = a // 10 + b // 10 + carry
+    step1 = f"{a % 10}+{b % 10}={ones}" + (", carry 1" if carry else "")
+    step2 = f"{a // 10}+{b // 10}" + ("+1" if carry else "") + f"={tens}"
+    answer = str(a + b)
+    return f"{step1}\n{step2}\n#### {answer}", answer
+
+
+def format_prompt(a: int, b: int) -> str:
+    """The user message for problem (a, b); the SFT prompt and the RL chat message both use this text."""
+    return f"What is {a} + {b}?"
+
+
+def parse_prompt(prompt: str) -> tuple[int, int]:
+    """Inverse of format_prompt, so tests can recompute the ground truth from the prompt text alone."""
+    a, b = prompt.removeprefix("What is ").removesuffix("?").split(" + ")
+    return int(a), int(b)
+
+
+def make_problem(rng: random.Random) -> tuple[str, str, str]:
+    """Draw one problem uniformly from the task.
+
+    Returns:
+        (prompt, solution, answer): the user message, the worked solution ending in `#### answer`, the answer.
+    """
+    a, b = rng.choice(all_problems())
+    return (format_prompt(a, b), *solve(a, b))
+
+
+def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list, list, list]:
+    """Shuffle all problems with `seed`; the first n_val are val, the rest the train pool.
+
+    Returns:
+        (sft_train, rl_train, val): lists of (a, b). The two train lists are independent draws (with
+        replacement once n_train exceeds the pool) from the pool, so both are disjoint from val.
+    """
+    rng = random.Random(seed)
+    problems = all_problems()
+    rng.shuffle(problems)
+    val, pool = problems[:n_val], problems[n_val:]
+    assert pool, f"n_val={n_val} leaves no train problems out of {len(problems)}"
+
+    def draw() -> list:
+        out = []
+        while len(out) < n_train:
+            out += rng.sample(pool, min(len(pool), n_train - len(out)))
+        return out
+
+    return draw(), draw(), val
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `texts`, digits split into single tokens (like Qwen2's regex).
+
+    Args:
+        texts: training corpus (chat-templated problems, so role names and phrasing become merges).
+        vocab_size: total vocabulary incl. the 256 byte tokens and the 3 special tokens.
+    Returns:
+        A PreTrainedTokenizerFast with pad `<|endoftext|>`, eos `<|im_end|>`, no bos, and the chat template.
+    """
+    tok = Tokenizer(models.BPE())
+    # Exactly Qwen2's pipeline (NFC, its split regex, byte-level), because transformers 5 loads any
+    # model_type "qwen2" folder as Qwen2Tokenizer, which rebuilds this pipeline around our vocab and merges
+    # whatever tokenizer.json says (transformers/models/qwen2/tokenization_qwen2.py). The regex's `\p{N}`
+    # alternative isolates every digit, so no merge can make a multi-digit token.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int, hidden_size: int = 128, num_layers: int = 2
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2ForCausalLM sized for `tokenizer`, weights fixed by `seed`.
+
+    head_dim is hidden_size / 2 heads = 64: vLLM's CPU attention rejects head_dim 16 but takes 64.
+    """
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    return model
+
+
+def _write(table: list[dict], schema: pa.Schema, path: Path) -> None:
+    """Write rows as one parquet file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(table, schema=schema), path)
+
+
+SFT_SCHEMA = pa.schema([("prompt", pa.string()), ("response", pa.string())])
+RL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+    ]
+)
+
+
+def build(out: str | Path, seed: int = 0, n_train: int = 4000, n_val: int = 200) -> Path:
+    """Write DIR/model, DIR/sft/{train,val}.parquet and DIR/rl/{train,val}.parquet (see module docstring).
+
+    Returns:
+        The output folder as a Path.
+    """
+    out = Path(out)
+    sft_train, rl_train, val = split_problems(seed, n_train, n_val)
+    splits = {"sft/train": sft_train, "sft/val": val, "rl/train": rl_train, "rl/val": val}
+
+    # The whole task, so the vocabulary does not depend on the split; special tokens stay out of the
+    # corpus or BPE would learn merges like "<|" from their spelling.
+    corpus = ["system\nuser\nassistant\n"]
+    corpus += [text for a, b in all_problems() for text in (format_prompt(a, b), solve(a, b)[0])]
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(tokenizer, seed)
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+
+    for name, problems in splits.items():
+        split = name.split("/")[1]
+        rows = []
+        for index, (a, b) in enumerate(problems):
+            prompt, (solution, answer) = format_prompt(a, b), solve(a, b)
+            if name.startswith("sft"):
+                rows.append({"prompt": prompt, "response": solution})
+            else:
+                rows.append(
+                    {
+                        "data_source": DATA_SOURCE,
+                        "prompt": [{"role": "user", "content": prompt}],
+                        "ability": "math",
+                        "reward_model": {"style": "rule", "ground_truth": answer},
+                        "extra_info": {"split": split, "index": index},
+                    }
+                )
+        _write(rows, SFT_SCHEMA if name.startswith("sft") else RL_SCHEMA, out / f"{name}.parquet")
+    return out
+
+
+def main(cfg: ToyConfig) -> Path:
+    """Build the toy model and data from `cfg`."""
+    return build(cfg.out, seed=cfg.seed, n_train=cfg.n_train, n_val=cfg.n_val)
+
+
+if __name__ == "__main__":
+    print(main(tyro.cli(ToyConfig)))
