@@ -1,27 +1,23 @@
 """Config parsing: one frozen dataclass tree per script, tyro on the command line, strict YAML underneath.
 
-Every entry script does `cfg = config.parse(SFTConfig)`. Precedence is CLI > YAML > dataclass defaults:
+`cfg = config.parse(SFTConfig)`; precedence is CLI > YAML > dataclass defaults:
+1. `--config FILE.yaml` (anywhere in argv) is read with `yaml.safe_load`, remapped by the script's optional
+   `yaml_hook`, and validated strictly by `from_dict`; the instance becomes tyro's `default=`, so `--help`
+   shows the YAML values and CLI flags (`--optim.lr 3e-5`; `--save_freq` or `--save-freq`) override them.
+2. `--print-config` prints the resolved config as YAML (same nested keys; loading it back with `--config`
+   gives an equal config) and exits 0 before the script touches data or models.
 
-1. `--config FILE.yaml` (anywhere in argv) is read with `yaml.safe_load`, optionally remapped by the
-   script's `yaml_hook`, then validated strictly by `from_dict` into an instance of the tree.
-2. That instance becomes tyro's `default=`, so `--help` shows the YAML values as defaults and any CLI flag
-   (`--optim.lr 3e-5`) overrides it. Flags keep the field names (`--save_freq`; tyro also accepts `--save-freq`).
-3. `--print-config` prints the resolved config as YAML (the same nested keys; feeding it back through
-   `--config` gives an equal config) and exits 0 before the script touches data or models.
-
-Strict means: an unknown key or a value of the wrong type raises `ConfigError` (a ValueError) naming the
-file and the full dotted key, e.g. `configs/x.yaml: unknown key 'optim.lrr' (known: lr, betas)`; `parse`
-turns it into a one-line `SystemExit` message. Coercions, all by field type:
-- float: ints and numeric strings are accepted, since PyYAML 1.1 reads `1e-5` (no dot) as a string;
-- int: a real int only (not a bool, not a string); bool: a real bool only (`yes`/`"true"` are errors);
-- `None` (`~`/`null`) only where the type allows None; Literal values must be one of the choices;
-- tuple/list from a YAML sequence (length checked for fixed tuples); nested dataclasses from mappings,
-  overlaid on the parent's default for that field; `Path` from a string, with `~` left unexpanded.
-
-`move_keys` is for `yaml_hook`s that map a foreign layout (verl's `actor_rollout_ref.actor...`) onto ours.
+Strict: an unknown key or a wrong type raises `ConfigError` (a ValueError) naming the source and the dotted
+key, e.g. `configs/x.yaml: unknown key 'optim.lrr' (known: lr, betas)`; `parse` exits with that one line.
+By field type: float takes ints and numeric strings (PyYAML 1.1 reads `1e-5`, no dot, as a string); int
+and bool take only real ints/bools (`yes` is an error); null only where None is allowed; Literal must be
+one of its choices; tuple/list from a sequence (fixed tuples length-checked); nested dataclasses from
+mappings, overlaid on the parent's default; `Path` from a string, `~` left unexpanded for the script.
+`move_keys` helps a `yaml_hook` map a foreign layout (verl's `actor_rollout_ref.actor...`) onto ours.
 `to_dict`/`to_yaml` save the resolved config into runs and checkpoints; `from_dict` reads it back on resume.
 """
 
+import argparse
 import copy
 import dataclasses
 import sys
@@ -36,10 +32,7 @@ import yaml
 
 T = TypeVar("T")
 
-_OPTIONS_HELP = (
-    "Config files: --config FILE.yaml loads overrides (strict; CLI flags still win); "
-    "--print-config prints the resolved config as YAML and exits."
-)
+_OPTIONS_HELP = "--config FILE.yaml loads overrides (CLI flags still win); --print-config prints YAML, exits."
 
 
 class ConfigError(ValueError):
@@ -53,25 +46,26 @@ def _type_name(tp: Any) -> str:
 def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any:
     """Validate `value` against type `tp`; return it converted (float from str/int, tuple from list, ...)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = lambda: ConfigError(f"{source}: key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    bad = lambda: ConfigError(
+        f"{source}: key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}"
+    )
     if origin is typing.Annotated:  # tyro.conf markers wrap the real type
         return _coerce(args[0], value, key, source, base)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad()
-        errors = []
-        for arm in args:
-            if arm is type(None):
-                continue
+        if value is None and type(None) in args:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        sub_base = base if dataclasses.is_dataclass(base) else None
+        if len(arms) == 1:  # Optional[X]: X's own error message is the clearest
+            return _coerce(arms[0], value, key, source, sub_base)
+        for arm in arms:
             try:
-                return _coerce(arm, value, key, source, base if dataclasses.is_dataclass(base) else None)
-            except ConfigError as e:
-                errors.append(str(e).split(": ", 1)[1])
-        raise ConfigError(f"{source}: key '{key}' matches no arm of {_type_name(tp)}: " + "; ".join(errors))
+                return _coerce(arm, value, key, source, sub_base)
+            except ConfigError:
+                pass
+        raise bad()
     if value is None:
         raise ConfigError(f"{source}: key '{key}' is null but {_type_name(tp)} is not Optional")
     if origin is typing.Literal:
@@ -83,41 +77,30 @@ def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any
         if not isinstance(value, Mapping):
             raise bad()
         return _build(tp, base, value, key + ".", source)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad()
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad()
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+    if tp in (bool, int, float, str):
+        if isinstance(value, bool) != (tp is bool):  # bool subclasses int: never let one pass for the other
+            raise bad()
+        if tp is float and isinstance(value, (int, str)):
             try:  # PyYAML 1.1 reads `1e-5` (no dot) as a string
                 return float(value)
             except ValueError:
-                pass
-        raise bad()
-    if tp is str:
-        if isinstance(value, str):
+                raise bad() from None
+        if isinstance(value, tp):
             return value
         raise bad()
     if isinstance(tp, type) and issubclass(tp, PurePath):
         if isinstance(value, (str, PurePath)):
             return tp(value)  # `~` stays as given; scripts expand it where they use the path
         raise bad()
-    if origin in (tuple, list, Sequence) or tp in (tuple, list):
+    if origin in (tuple, list) or tp in (tuple, list):
         if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence):
             raise bad()
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{source}: key '{key}' expects {len(args)} items, got {len(value)}")
-            return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        items = [_coerce(item, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
-        return list(items) if (origin is list or tp is list) else tuple(items)
+            return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))  # noqa: B905
+        items = [_coerce(args[0] if args else Any, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return items if (origin is list or tp is list) else tuple(items)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise bad()
@@ -135,17 +118,17 @@ def _build(cls: type[T], base: T | None, d: Mapping, prefix: str, source: str) -
     hints = typing.get_type_hints(cls, include_extras=True)
     values = {}
     for name, f in fields.items():
-        if name in d:
-            if base is not None:
-                default = getattr(base, name)
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = None if f.default is dataclasses.MISSING else f.default
-            sub_base = default if dataclasses.is_dataclass(default) else None
-            values[name] = _coerce(hints[name], d[name], prefix + name, source, sub_base)
-        elif base is None and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
+        has_factory = f.default_factory is not dataclasses.MISSING
+        if name not in d:
+            if base is None and f.default is dataclasses.MISSING and not has_factory:
+                raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
+            continue
+        if base is not None:
+            default = getattr(base, name)
+        else:
+            default = f.default_factory() if has_factory else f.default
+        sub_base = default if dataclasses.is_dataclass(default) else None  # overlay nested sections
+        values[name] = _coerce(hints[name], d[name], prefix + name, source, sub_base)
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
@@ -181,71 +164,43 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
-def move_keys(d: Mapping, moves: Mapping[str, str | None]) -> dict:
-    """Return a deep copy of `d` with dotted keys moved: `{"actor_rollout_ref.actor.optim": "optim"}`.
-
-    A destination of None drops the key (an explicit "we ignore this"). A source that is absent is skipped.
-    Moving a mapping onto an existing mapping merges them; overwriting an existing leaf is a ValueError.
-    Parents left empty by a move are removed, so only unmapped keys remain for strict validation to flag.
-    """
-    out = copy.deepcopy(dict(d))
-    for src, dst in moves.items():
-        *parents, leaf = src.split(".")
-        chain, node = [], out
-        for p in parents:
-            if not isinstance(node.get(p), dict):
-                break
-            chain.append((node, p))
-            node = node[p]
+def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; empty mappings stay as leaves."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
         else:
-            if leaf not in node:
-                continue
-            value = node.pop(leaf)
-            for parent, p in reversed(chain):  # prune parents the move emptied
-                if not parent[p]:
-                    del parent[p]
-            if dst is not None:
-                _merge_into(out, dst.split("."), value, src, dst)
+            out[f"{prefix}{k}"] = v
     return out
 
 
-def _merge_into(root: dict, path: list[str], value: Any, src: str, dst: str) -> None:
-    node = root
-    for p in path[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"move_keys: cannot move '{src}' to '{dst}': '{p}' is not a mapping")
-    leaf = path[-1]
-    if leaf not in node:
+def move_keys(d: Mapping, moves: Mapping[str, str | None]) -> dict:
+    """Return a copy of `d` with dotted keys moved, e.g. `{"actor_rollout_ref.actor.optim": "optim"}`.
+
+    A source names a leaf or a whole section; absent sources are skipped; a destination of None drops the
+    key (an explicit "we ignore this"). A section moved onto an existing one merges into it; writing over an
+    existing value is a ValueError. Sections a move empties disappear, so strict validation flags only the
+    keys no move mentions. Keys are treated as strings and must not contain dots themselves.
+    """
+    flat = _flatten(copy.deepcopy(dict(d)))
+    for src, dst in moves.items():
+        for key in [k for k in flat if k == src or k.startswith(src + ".")]:
+            value = flat.pop(key)
+            if dst is None:
+                continue
+            new = dst + key[len(src) :]
+            if any(k == new or k.startswith(new + ".") or new.startswith(k + ".") for k in flat):
+                raise ValueError(f"move_keys: moving '{key}' would overwrite existing '{new}'")
+            flat[new] = value
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
         node[leaf] = value
-    elif isinstance(node[leaf], dict) and isinstance(value, dict):
-        for k, v in value.items():
-            _merge_into(node[leaf], [k], v, f"{src}.{k}", f"{dst}.{k}")
-    else:
-        raise ValueError(f"move_keys: moving '{src}' would overwrite existing '{dst}'")
-
-
-def _pop_options(argv: list[str]) -> tuple[list[str], str | None, bool]:
-    """Remove `--config FILE` / `--config=FILE` and `--print-config` from argv (tyro never sees them)."""
-    rest, path, print_cfg, i = [], None, False, 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--print-config":
-            print_cfg = True
-        elif a == "--config" or a.startswith("--config="):
-            if path is not None:
-                raise SystemExit("error: --config given more than once")
-            if a == "--config":
-                if i + 1 >= len(argv):
-                    raise SystemExit("error: --config needs a YAML file path")
-                i += 1
-                path = argv[i]
-            else:
-                path = a.split("=", 1)[1]
-        else:
-            rest.append(a)
-        i += 1
-    return rest, path, print_cfg
+    return out
 
 
 def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict], dict] | None = None) -> T:
@@ -258,8 +213,12 @@ def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict
     Returns: the resolved config. Exits 0 after printing it if `--print-config` was given; exits
     with a one-line message on a bad YAML file.
     """
-    rest, path, print_cfg = _pop_options(list(sys.argv[1:] if argv is None else argv))
-    default = None
+    # Our two options are taken out before tyro sees argv; allow_abbrev=False so `--conf` is not eaten.
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--print-config", action="store_true")
+    opts, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    path, default = opts.config, None
     if path is not None:
         try:
             with open(path) as f:
@@ -270,10 +229,11 @@ def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict
             default = from_dict(cls, raw, source=path)
         except (OSError, yaml.YAMLError, ValueError) as e:
             raise SystemExit(f"error: {e}") from None
-    doc = cls.__doc__ or ""
-    doc = "" if doc.startswith(cls.__name__ + "(") else doc  # skip the signature dataclass puts there
-    cfg = tyro.cli(cls, args=rest, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}")
-    if print_cfg:
+    doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # dataclass's stand-in
+    cfg = tyro.cli(
+        cls, args=rest, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}"
+    )
+    if opts.print_config:
         sys.stdout.write(to_yaml(cfg))
         sys.stdout.flush()
         raise SystemExit(0)

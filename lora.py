@@ -9,21 +9,20 @@ into a plain Hugging Face model (tests/test_lora.py checks both).
     merged = merge_lora_state_dict(full_state_dict, rank=8, alpha=16)         # plain HF keys
     save_adapter(out_dir, full_state_dict, 8, 16, "all-linear", "Qwen/Qwen2.5-0.5B")
 
-A wrapped module at `<path>` holds `<path>.base_layer.{weight,bias}` (frozen), `<path>.lora_A.weight`
-[r, in] and `<path>.lora_B.weight` [out, r]; forward = base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r.
-PEFT stores the same tensors under `<path>.lora_A.default.weight` (adapter name "default") and saves
-them as `base_model.model.<path>.lora_A.weight`; `adapter_state_dict` writes that saved form.
+A wrapped `<path>` holds `<path>.base_layer.{weight,bias}` (frozen), `<path>.lora_A.weight` [r, in] and
+`<path>.lora_B.weight` [out, r]. PEFT names them `<path>.lora_A.default.weight` in memory (adapter
+"default") and `base_model.model.<path>.lora_A.weight` on disk; `adapter_state_dict` writes the latter.
 
-FSDP2: call `apply_lora` before `fully_shard`. fully_shard turns every parameter into a sharded DTensor
-and registers hooks on the module tree as it stands, so swapping modules afterwards would leave
-unsharded parameters and stale hooks. FSDP2 shards frozen and trainable parameters side by side, so
-no `use_orig_params` flag is needed (FSDP1 needed it).
+FSDP2: call `apply_lora` before `fully_shard`, which turns parameters into sharded DTensors and hooks
+the module tree as it stands; modules swapped in later would be unsharded and unhooked. FSDP2 shards
+frozen and trainable parameters side by side (FSDP1 needed `use_orig_params`).
 
 Deviations from PEFT:
 1. A string `target_modules` other than "all-linear" is a comma-separated list of suffixes
-   ("q_proj,v_proj", handy on the CLI); PEFT reads a string as a regex matched against the full name.
-2. One adapter per module, no `bias`/`modules_to_save`/DoRA/rsLoRA options; lora_A/B take the base
-   layer's dtype (PEFT also keeps them in the base dtype unless `autocast_adapter_dtype`).
+   ("q_proj,v_proj", for the CLI); PEFT reads such a string as a regex on the full module name.
+2. One adapter per module; no bias / modules_to_save / DoRA / rsLoRA options.
+3. lora_A/B take the base layer's dtype. PEFT's default `autocast_adapter_dtype=True` upcasts bf16/fp16
+   adapters to fp32; here keep fp32 master weights and let FSDP2's MixedPrecisionPolicy cast for compute.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -67,7 +65,7 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}"
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling}"
 
 
 def _parse_targets(target_modules: str | Sequence[str]) -> list[str] | None:
@@ -76,20 +74,9 @@ def _parse_targets(target_modules: str | Sequence[str]) -> list[str] | None:
         if target_modules.strip().lower() == ALL_LINEAR:
             return None
         target_modules = target_modules.split(",")
-    targets = [t.strip() for t in target_modules if t.strip()]
-    if not targets:
+    if not (targets := [t.strip() for t in target_modules if t.strip()]):
         raise ValueError("target_modules is empty; pass 'all-linear' or module-name suffixes like q_proj")
     return targets
-
-
-def _output_layer_names(model: nn.Module) -> set[str]:
-    """Names of the output projection: `lm_head` plus whatever get_output_embeddings() returns (PEFT)."""
-    names = {"lm_head"}
-    get_out = getattr(model, "get_output_embeddings", None)
-    out = get_out() if callable(get_out) else None
-    if out is not None:
-        names |= {name for name, m in model.named_modules() if m is out}
-    return names
 
 
 def apply_lora(
@@ -102,20 +89,21 @@ def apply_lora(
 
     Args:
         model: the model to modify, e.g. a Qwen2ForCausalLM.
-        rank: LoRA rank r.
-        alpha: LoRA alpha; the update is scaled by alpha / r.
-        target_modules: "all-linear" (every nn.Linear except the output layer, PEFT's meaning) or a
-            list / comma-separated string of module-name suffixes; a suffix matches `name == s` or
-            `name.endswith("." + s)`, as in PEFT.
+        rank, alpha: LoRA rank r and alpha; the update is scaled by alpha / r.
+        target_modules: "all-linear" (every nn.Linear except the output layer, PEFT's meaning) or a list /
+            comma-separated string of suffixes; `s` matches `name == s or name.endswith("." + s)` (PEFT).
         dropout: dropout on the LoRA branch input (PEFT's lora_dropout).
 
-    Returns:
-        The dotted module paths that were wrapped, in named_modules() order.
+    Returns: the dotted module paths that were wrapped, in named_modules() order.
     """
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model already has LoRA layers; apply_lora must run once")
     targets = _parse_targets(target_modules)
-    excluded = _output_layer_names(model)
+    # The output projection is never a target: `lm_head`, or whatever get_output_embeddings() returns
+    # (PEFT's "all-linear" rule, tuners_utils._maybe_include_all_linear_layers).
+    get_out = getattr(model, "get_output_embeddings", None)
+    out_layer = get_out() if callable(get_out) else None
+    excluded = {"lm_head"} | {n for n, m in model.named_modules() if out_layer is not None and m is out_layer}
     linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in excluded]
     if targets is None:
         chosen = linear
@@ -160,14 +148,11 @@ def merge_lora_state_dict(state_dict: dict[str, Tensor], rank: int, alpha: float
         state_dict: a full (unsharded) state dict of a model after apply_lora.
         rank, alpha: the values given to apply_lora (rank is checked against lora_A's shape).
 
-    Returns:
-        A new dict with the keys the unwrapped model expects.
+    Returns: a new dict with the keys the unwrapped model expects.
     """
-    pairs = _lora_pairs(state_dict)
-    merged: dict[str, Tensor] = {}
-    used: set[str] = set()
-    for path, ab in pairs.items():
-        base_key = f"{path}.base_layer.weight"
+    merged, used = {}, set()
+    for path, ab in _lora_pairs(state_dict).items():
+        base_key, bias_key = f"{path}.base_layer.weight", f"{path}.base_layer.bias"
         if base_key not in state_dict:
             raise KeyError(f"LoRA module {path!r} has no {base_key} in the state dict")
         base, lora_a, lora_b = state_dict[base_key], state_dict[ab["A"]], state_dict[ab["B"]]
@@ -175,25 +160,18 @@ def merge_lora_state_dict(state_dict: dict[str, Tensor], rank: int, alpha: float
             raise ValueError(f"{ab['A']} has rank {lora_a.shape[0]}, expected {rank}")
         delta = (lora_b.float() @ lora_a.float()) * (alpha / rank)  # [out, r] @ [r, in] -> [out, in]
         merged[f"{path}.weight"] = (base.float() + delta).to(base.dtype)
-        used |= {base_key, ab["A"], ab["B"]}
-        bias_key = f"{path}.base_layer.bias"
         if bias_key in state_dict:
             merged[f"{path}.bias"] = state_dict[bias_key]
-            used.add(bias_key)
-    for key, value in state_dict.items():
-        if key not in used:
-            merged[key] = value
+        used |= {base_key, bias_key, ab["A"], ab["B"]}
+    merged.update({k: v for k, v in state_dict.items() if k not in used})
     return merged
 
 
 def adapter_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """The LoRA tensors under PEFT's saved names: `base_model.model.<path>.lora_{A,B}.weight`.
 
-    Args:
-        state_dict: a full state dict of a model after apply_lora (`.default` adapter names accepted).
-
-    Returns:
-        Only the lora_A [r, in] / lora_B [out, r] weights, renamed; what PEFT's save_pretrained writes.
+    Args: state_dict, a full state dict of a model after apply_lora (`.default` names accepted).
+    Returns: only the lora_A [r, in] / lora_B [out, r] weights, renamed as PEFT's save_pretrained does.
     """
     return {
         f"base_model.model.{path}.lora_{x}.weight": state_dict[key]
@@ -214,22 +192,19 @@ def save_adapter(
     """Write a PEFT LoRA adapter folder: adapter_config.json + adapter_model.safetensors.
 
     Args:
-        out_dir: folder to create (or overwrite files in).
-        state_dict: a full state dict of a model after apply_lora.
-        rank, alpha, dropout: the values given to apply_lora.
-        target_modules: as given to apply_lora; written as "all-linear" or as the suffixes that
-            matched a wrapped module (PEFT re-matches them against the base model on load).
-        base_model_name_or_path: recorded for PEFT / the Hub; from_pretrained(base, dir) ignores it.
+        out_dir: folder to create (existing files are overwritten).
+        state_dict: a full state dict of a model after apply_lora; rank, alpha, dropout: as given to it.
+        target_modules: as given to apply_lora; written as "all-linear" or as the suffixes that matched a
+            wrapped module (PEFT re-matches them against the base model on load).
+        base_model_name_or_path: recorded for PEFT / the Hub; PeftModel.from_pretrained(base, dir) ignores it.
 
-    Returns:
-        The output folder.
+    Returns: the output folder.
     """
     weights = adapter_state_dict(state_dict)
     if not weights:
         raise ValueError("state_dict has no lora_A/lora_B weights; was apply_lora called?")
-    paths = list(_lora_pairs(state_dict))
-    targets = _parse_targets(target_modules)
-    if targets is not None:
+    paths, targets = list(_lora_pairs(state_dict)), _parse_targets(target_modules)
+    if targets is not None:  # record only the suffixes that wrapped something
         targets = sorted(t for t in targets if any(p == t or p.endswith("." + t) for p in paths))
     config = {
         "peft_type": "LORA",
@@ -241,19 +216,11 @@ def save_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "base_model_name_or_path": base_model_name_or_path,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-    }
+    }  # every other LoraConfig field keeps PEFT's default (no DoRA, no rsLoRA, no modules_to_save)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    # safetensors refuses views/shared storage; contiguous CPU copies are what PEFT writes too.
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in weights.items()},
-        str(out / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    # safetensors refuses non-contiguous / shared tensors; "format": "pt" is the metadata PEFT writes.
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out

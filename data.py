@@ -1,0 +1,548 @@
+"""Data for flatrl: rows from files, token ids and loss masks, batches, and the model's input tensors.
+
+sft.py uses SFTDataset, grpo.py / ppo.py use RLDataset; all use EpochSampler, split_for_rank, micro_batches and
+one of the two collation layouts.
+
+1. `load_rows(paths)`: parquet (pyarrow) or JSON lines (.jsonl .json .jsonlines .json-lines .ndjson), files
+   concatenated in order, `~` expanded. Each row is a `Row` (a dict) whose `.origin` ("FILE row I", plus the
+   line for JSON lines) starts every error about it. A missing, unreadable or empty file is a ValueError.
+2. `SFTDataset`: prompt/response string rows or `messages` chat rows -> {"input_ids", "loss_mask", "origin"}.
+   loss_mask[t] == 1 marks input_ids[t] as a target, predicted from positions < t (`shift_labels`). Targets are
+   each assistant turn's content plus its eos (Qwen's <|im_end|>); the turn header and the template's text after
+   eos are context. Boundaries come from rendering prefixes of the conversation and tokenising each rendered
+   segment on its own; a template whose prefix rendering is not a prefix of the next is an error.
+3. `RLDataset`: verl's RL schema (`data_source`, `prompt` as chat messages or a string column, `reward_model:
+   {style, ground_truth}`, `extra_info`) -> {"prompt_ids", "raw_prompt", "data_source", "ground_truth",
+   "extra_info", "origin"}.
+4. `EpochSampler`: a seeded permutation per epoch cut into global batches, resumable from {epoch, batch};
+   `split_for_rank` gives each rank its share; `micro_batches` cuts the share by count or by token budget.
+5. `pad_batch`: right-padded [B, T] with a 2-D mask. `pack_batch`: padding-free [1, N], position ids restarting
+   per sequence, and a 4-D block-diagonal causal mask [1, 1, N, N], which transformers 5.19 uses as given
+   (masking_utils._preprocess_mask_arguments). Pass the bool form (True = attend) to attn_implementation="sdpa"
+   and the float additive form (mask_dtype=torch.float32) to "eager", which adds the mask to the scores: a
+   bool mask there is silently wrong (max logprob error 0.28 on the test model). This N x N mask is the
+   portable CPU path: O(N^2) memory (N = 8192 is 64 MiB as bool) and no kernel skips masked blocks; a
+   flex-attention / flash varlen path driven by `cu_seqlens` is the GPU path to add later. Measured on the
+   2-layer test model: packed and padded per-token logprobs agree to 0.0 (sdpa bool, eager float). Position ids
+   alone (attention_mask=None) are 0.30 off with the default use_cache=True, because transformers skips its
+   packed-sequence detection when a cache exists, and also 0.0 off with use_cache=False.
+
+Deviations from verl:
+1. verl's SFT loss mask is aligned with the logits (position t predicts t + 1); ours with the tokens.
+2. verl masks whole assistant messages in multi-turn SFT; we mask content + eos, not the header or the "\\n"
+   after eos, i.e. exactly what the policy generates at RL time. Context after the last target is dropped.
+3. verl left-pads RL prompts to max_prompt_length in the dataset; we keep id lists (vLLM takes lists) and only
+   filter or reject overlong prompts, never truncate them.
+4. verl shuffles with one torch.Generator across epochs and resumes through a stateful dataloader; we reseed
+   with seed + epoch, so {epoch, batch} is the whole resume state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+_PARQUET = (".parquet", ".pq")
+_JSONL = (".jsonl", ".json", ".jsonlines", ".json-lines", ".ndjson")
+
+
+class Row(dict):
+    """A data row (a dict of columns) that remembers where it came from, for error messages."""
+
+    origin: str = "<unknown>"
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; `reason` is what SFTDataset.skipped counts."""
+
+    def __init__(self, row: Row, key: str, reason: str, detail: str):
+        super().__init__(f"{row.origin}: key {key!r}: {reason}: {detail}")
+        self.reason = reason
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, object]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text, so not JSON lines ({e})") from e
+    out = []
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: bad JSON on line {lineno}: {e.msg}") from e
+    return out
+
+
+def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Row]:
+    """Read parquet / JSON-lines files into one list of rows, in file order.
+
+    Args:
+        paths: one path or several; `~` is expanded; the format follows the extension.
+    Returns:
+        rows; row.origin is "FILE row I" (I counts from 0 within the file), plus "(line L)" for JSON lines.
+    Raises:
+        ValueError naming the file (and row or line): missing file, unknown extension, unreadable parquet,
+        bad JSON, a line that is not an object, a file with no rows.
+    """
+    paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not paths:
+        raise ValueError("no data files given")
+    rows: list[Row] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist (or is not a file)")
+        if path.suffix.lower() in _PARQUET:
+            try:
+                items = [(None, r) for r in pq.read_table(path).to_pylist()]
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+        elif path.suffix.lower() in _JSONL:
+            items = _read_jsonl(path)
+        else:
+            raise ValueError(f"{path}: unknown data file extension {path.suffix!r} (want .parquet or .jsonl)")
+        if not items:
+            raise ValueError(f"{path}: no rows (empty data file)")
+        for i, (lineno, obj) in enumerate(items):
+            row = Row(obj) if isinstance(obj, dict) else None
+            where = f"{path} row {i}" + ("" if lineno is None else f" (line {lineno})")
+            if row is None:
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            row.origin = where
+            rows.append(row)
+    return rows
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # add_special_tokens=False: the chat template already wrote any BOS / special tokens into the text.
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _check_messages(row: Row, key: str) -> list[dict]:
+    msgs = row[key]
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRow(
+            row, key, "bad_messages", f"want a non-empty list of {{role, content}}, got {msgs!r:.80}"
+        )
+    for j, m in enumerate(msgs):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise BadRow(
+                row, key, "bad_messages", f"message {j} is not {{role: str, content: str}}: {m!r:.80}"
+            )
+        if m["role"] == "assistant" and not m["content"]:
+            raise BadRow(row, key, "empty_response", f"assistant message {j} is empty")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise BadRow(row, key, "no_assistant_turn", "no message with role 'assistant'")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def conversation_tokens(tokenizer, messages: list[dict], row: Row, key: str) -> tuple[list[int], list[int]]:
+    """Token ids and target mask of a chat, rendered turn by turn with the tokenizer's chat template.
+
+    Targets (1): each assistant turn's tokens up to and including the last eos in its segment (the whole
+    segment if it has no eos). Everything else is context (0); context after the last target is dropped.
+    Returns:
+        (input_ids, loss_mask), equal-length lists.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    prev = ""
+    for i, m in enumerate(messages):
+        text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        head = (
+            _render(tokenizer, messages[:i], add_generation_prompt=True) if m["role"] == "assistant" else text
+        )
+        if not (head.startswith(prev) and text.startswith(head)):
+            raise BadRow(
+                row, key, "template_not_prefix", f"rendering up to turn {i} does not extend turn {i - 1}'s"
+            )
+        ctx = _encode(tokenizer, head[len(prev) :])
+        seg = _encode(tokenizer, text[len(head) :])  # assistant content + end of turn; empty for other roles
+        n_target = max((j + 1 for j, t in enumerate(seg) if t == tokenizer.eos_token_id), default=len(seg))
+        ids += ctx + seg
+        mask += [0] * len(ctx) + [1] * n_target + [0] * (len(seg) - n_target)
+        prev = text
+    end = max(t for t, v in enumerate(mask) if v) + 1
+    return ids[:end], mask[:end]
+
+
+class _Examples:
+    examples: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.examples[i]
+
+
+class SFTDataset(_Examples):
+    """Supervised fine-tuning examples, tokenised up front.
+
+    Args:
+        paths: data files (see load_rows).
+        tokenizer: a Hugging Face tokenizer with an eos token (and a chat template if apply_chat_template).
+        prompt_key, response_key: string columns of prompt/response rows.
+        messages_key: column of [{role, content}, ...]; a row where it is non-null is a chat row.
+        apply_chat_template: render a prompt row as one user turn and one assistant turn; without it the text
+            is prompt + response + eos. Chat rows need the template.
+        max_length: tokens per example after truncation.
+        truncation: "right" cuts the end, "left" the beginning, "error" rejects an overlong row.
+        skip_bad_rows: skip and count unusable rows instead of raising.
+    Attributes:
+        examples: [{"input_ids": list[int], "loss_mask": list[int], "origin": str}]; lengths: tokens of each.
+        skipped: {reason: count}; truncated: how many examples were cut to max_length.
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        tokenizer,
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        messages_key: str | None = "messages",
+        apply_chat_template: bool = True,
+        max_length: int = 1024,
+        truncation: Literal["left", "right", "error"] = "error",
+        skip_bad_rows: bool = False,
+    ):
+        if truncation not in ("left", "right", "error"):
+            raise ValueError(f"truncation must be 'left', 'right' or 'error', got {truncation!r}")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token; SFT targets end with eos")
+        self.tok, self.prompt_key, self.response_key = tokenizer, prompt_key, response_key
+        self.messages_key, self.apply_chat_template = messages_key, apply_chat_template
+        self.max_length, self.truncation = max_length, truncation
+        self.skipped: dict[str, int] = {}
+        self.truncated = 0
+        self.examples = []
+        for row in load_rows(paths):
+            try:
+                self.examples.append(self._example(row))
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise
+                self.skipped[e.reason] = self.skipped.get(e.reason, 0) + 1
+        if not self.examples:
+            raise ValueError(f"{paths}: no usable rows (skipped: {self.skipped})")
+        self.lengths = [len(e["input_ids"]) for e in self.examples]
+
+    def _string(self, row: Row, key: str) -> str:
+        if row.get(key) is None:
+            raise BadRow(row, key, "missing_key", f"row has columns {sorted(row)}")
+        if not isinstance(row[key], str):
+            raise BadRow(row, key, "not_a_string", f"got {type(row[key]).__name__}")
+        return row[key]
+
+    def _example(self, row: Row) -> dict:
+        if self.messages_key is not None and row.get(self.messages_key) is not None:
+            key = self.messages_key
+            if not self.apply_chat_template:
+                raise ValueError(f"{row.origin}: chat rows ({key!r}) need apply_chat_template=True")
+            ids, mask = conversation_tokens(self.tok, _check_messages(row, key), row, key)
+        else:
+            key = self.response_key
+            prompt, response = self._string(row, self.prompt_key), self._string(row, key)
+            if not response:
+                raise BadRow(row, key, "empty_response", "response is the empty string")
+            if self.apply_chat_template:
+                chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+                ids, mask = conversation_tokens(self.tok, chat, row, key)
+            else:
+                p, r = _encode(self.tok, prompt), _encode(self.tok, response) + [self.tok.eos_token_id]
+                ids, mask = p + r, [0] * len(p) + [1] * len(r)
+        if len(ids) > self.max_length:
+            if self.truncation == "error":
+                raise BadRow(row, key, "too_long", f"{len(ids)} tokens > max_length {self.max_length}")
+            cut = (
+                slice(None, self.max_length) if self.truncation == "right" else slice(-self.max_length, None)
+            )
+            ids, mask = ids[cut], mask[cut]
+            self.truncated += 1
+        if not any(mask[1:]):  # token 0 has no context, so it is never predicted
+            raise BadRow(
+                row, key, "truncated_away", f"no target token left after {self.truncation} truncation"
+            )
+        return {"input_ids": ids, "loss_mask": mask, "origin": row.origin}
+
+
+class RLDataset(_Examples):
+    """RL prompts in verl's schema.
+
+    Args:
+        paths: data files (see load_rows).
+        tokenizer: a Hugging Face tokenizer (with a chat template if apply_chat_template).
+        prompt_key: a column of chat messages (verl) or of strings (e.g. GSM8K's "question": one user turn).
+        max_prompt_length: tokens; a longer prompt is dropped (filter_overlong_prompts) or an error.
+        apply_chat_template: render with add_generation_prompt=True; without it a string prompt is used as is.
+    Attributes:
+        examples: [{"prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "origin"}].
+        dropped_overlong: prompts dropped for length.
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        tokenizer,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        apply_chat_template: bool = True,
+        filter_overlong_prompts: bool = True,
+    ):
+        self.dropped_overlong = 0
+        self.examples = []
+        for row in load_rows(paths):
+            prompt, rm = row.get(prompt_key), row.get("reward_model")
+            if isinstance(prompt, str):
+                chat = [{"role": "user", "content": prompt}]
+            elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+                chat = prompt
+                if not apply_chat_template:
+                    raise ValueError(
+                        f"{row.origin}: key {prompt_key!r}: chat messages need apply_chat_template"
+                    )
+            else:
+                raise ValueError(
+                    f"{row.origin}: key {prompt_key!r}: want a string or chat messages: {prompt!r:.80}"
+                )
+            if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+                raise ValueError(
+                    f"{row.origin}: key 'reward_model.ground_truth' missing (reward_model={rm!r:.80})"
+                )
+            if row.get("data_source") is None:
+                raise ValueError(f"{row.origin}: key 'data_source' missing (reward functions dispatch on it)")
+            raw = _render(tokenizer, chat, add_generation_prompt=True) if apply_chat_template else prompt
+            ids = _encode(tokenizer, raw)
+            if len(ids) > max_prompt_length and filter_overlong_prompts:
+                self.dropped_overlong += 1
+                continue
+            if len(ids) > max_prompt_length:
+                raise ValueError(f"{row.origin}: key {prompt_key!r}: {len(ids)} tokens > {max_prompt_length}")
+            ex = dict(
+                prompt_ids=ids,
+                raw_prompt=raw,
+                data_source=row["data_source"],
+                ground_truth=rm["ground_truth"],
+            )
+            self.examples.append(ex | {"extra_info": row.get("extra_info") or {}, "origin": row.origin})
+        if not self.examples:
+            raise ValueError(
+                f"{paths}: no prompts left ({self.dropped_overlong} over {max_prompt_length} tokens)"
+            )
+
+
+class EpochSampler:
+    """Global batches of dataset indices, one seeded permutation per epoch, resumable.
+
+    Epoch e's order is torch.randperm(n) under torch.Generator().manual_seed(seed + e): independent of the
+    global RNG and of the world size. `for batch in sampler` yields the rest of the current epoch and leaves
+    the sampler at the next one; the state advances as each batch is handed out, so state_dict() after k
+    batches resumes with batch k.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, drop_last: bool = True):
+        if batch_size < 1 or n < (batch_size if drop_last else 1):
+            raise ValueError(f"cannot draw batches of {batch_size} from {n} examples (drop_last={drop_last})")
+        self.n, self.batch_size, self.seed, self.drop_last = n, batch_size, seed, drop_last
+        self.epoch, self.batch = 0, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.n // self.batch_size if self.drop_last else math.ceil(self.n / self.batch_size)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of one epoch, in order."""
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return [perm[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.steps_per_epoch)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, batches = self.epoch, self.epoch_batches(self.epoch)
+        for i in range(self.batch, len(batches)):
+            self.epoch, self.batch = (epoch, i + 1) if i + 1 < len(batches) else (epoch + 1, 0)
+            yield batches[i]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if not 0 <= state["batch"] < self.steps_per_epoch:
+            raise ValueError(f"sampler state {state} out of range ({self.steps_per_epoch} batches per epoch)")
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+
+def _greedy(
+    lengths: Sequence[int], k: int, sizes: list[int] | None = None, budget: int | None = None
+) -> list[list[int]] | None:
+    """Longest first into k bins: the least-loaded bin with room (under `sizes`), or with a budget the first
+    bin it fits in (first-fit decreasing, which packs tighter). Returns None when something does not fit."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if budget is None:
+            b = min(
+                (b for b in range(k) if sizes is None or len(bins[b]) < sizes[b]), key=lambda b: (loads[b], b)
+            )
+        elif (
+            b := next((b for b in range(k) if not bins[b] or loads[b] + lengths[i] <= budget), None)
+        ) is None:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def split_for_rank(
+    indices: Sequence[int], rank: int, world_size: int, lengths: Sequence[int] | None = None
+) -> list[int]:
+    """This rank's share of a global batch: len(indices) // world_size items or one more.
+
+    Without lengths the shares are contiguous slices; with lengths (lengths[j] = tokens of indices[j]) they
+    are balanced by token count (greedy longest-first under the same counts). Deterministic, so ranks agree
+    without communicating. Returns a sublist of indices in their original order.
+    """
+    n = len(indices)
+    if n < world_size:
+        raise ValueError(f"a batch of {n} cannot give each of {world_size} ranks an item")
+    bounds = [r * n // world_size for r in range(world_size + 1)]
+    if lengths is None:
+        return list(indices[bounds[rank] : bounds[rank + 1]])
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} lengths for {n} indices")
+    sizes = [bounds[r + 1] - bounds[r] for r in range(world_size)]
+    return [indices[j] for j in sorted(_greedy(lengths, world_size, sizes=sizes)[rank])]
+
+
+def micro_batches(
+    lengths: Sequence[int],
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    min_num: int = 1,
+) -> list[list[int]]:
+    """Cut one rank's batch into micro-batches: lists of positions into `lengths`.
+
+    Args:
+        lengths: tokens per sequence.
+        micro_batch_size: consecutive chunks of this many (the last one smaller).
+        max_token_len: a token budget per micro-batch instead: the fewest bins that greedy longest-first
+            balancing (else first-fit decreasing) fills within budget; a longer sequence sits alone.
+        min_num: at least this many micro-batches, e.g. the max over ranks (all-reduced) so every FSDP rank
+            runs the same number of forwards. Those past len(lengths) are empty lists: the trainer must still
+            run a forward for them (e.g. one pad token with mask 0) to keep the collectives paired.
+    Returns:
+        micro-batches, each sorted, together covering every position once. Deterministic.
+    """
+    if (micro_batch_size is None) == (max_token_len is None):
+        raise ValueError("set exactly one of micro_batch_size and max_token_len")
+    n = len(lengths)
+    if micro_batch_size is not None:
+        if math.ceil(n / micro_batch_size) >= min_num:
+            return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
+        k = min(min_num, n)  # split further, evenly
+        return [list(range(b * n // k, (b + 1) * n // k)) for b in range(k)] + [
+            [] for _ in range(min_num - k)
+        ]
+    # Lower bound on the count: one bin per oversize sequence, the rest at a full budget each.
+    over = [x for x in lengths if x > max_token_len]
+    k = min(n, max(len(over) + math.ceil((sum(lengths) - sum(over)) / max_token_len), min_num))
+    while True:  # terminates: at k == n every sequence sits alone
+        for bins in (_greedy(lengths, k), _greedy(lengths, k, budget=max_token_len)):
+            if bins and all(b and (len(b) == 1 or sum(lengths[i] for i in b) <= max_token_len) for b in bins):
+                return sorted(sorted(b) for b in bins) + [[] for _ in range(min_num - k)]
+        k += 1
+
+
+def _check_pairs(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]]) -> None:
+    if len(seqs) != len(masks) or not seqs or any(len(s) != len(m) or not s for s, m in zip(seqs, masks)):
+        raise ValueError("seqs and masks must pair up, each pair non-empty and of equal length")
+
+
+def pad_batch(
+    seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch.
+
+    Returns:
+        input_ids [B, T] long (pad_id after each sequence), attention_mask [B, T] long (1 = token),
+        position_ids [B, T] long (0..len-1, 0 on padding), loss_mask [B, T] float32 (0 on padding).
+    """
+    _check_pairs(seqs, masks)
+    B, T = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros(B, T, dtype=torch.float32)  # [B, T]
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+        loss_mask[i, : len(s)] = torch.tensor(m, dtype=torch.float32)
+    position_ids = (torch.arange(T)[None] * attention_mask).long()  # [B, T]
+    return dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, loss_mask=loss_mask
+    )
+
+
+def pack_batch(
+    seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], mask_dtype: torch.dtype = torch.bool
+) -> dict[str, torch.Tensor]:
+    """Padding-free batch: the S sequences concatenated into one row of N tokens.
+
+    Args:
+        mask_dtype: torch.bool (True = attend) for sdpa; a float dtype gives the additive form (0, or the
+            dtype's min where masked) that eager attention needs.
+    Returns:
+        input_ids [1, N] long, position_ids [1, N] long (restarting at 0 per sequence), loss_mask [1, N] float32,
+        cu_seqlens [S + 1] int32 (sequence starts, then N), attention_mask [1, 1, N, N] block-diagonal causal.
+    """
+    _check_pairs(seqs, masks)
+    lens = torch.tensor([len(s) for s in seqs])  # [S]
+    n = int(lens.sum())
+    seq_id = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [N]
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).int()])  # [S + 1]
+    allowed = (seq_id[:, None] == seq_id[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()  # [N, N]
+    if mask_dtype != torch.bool:
+        allowed = torch.zeros(n, n, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
+    return {
+        "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None],  # [1, N]
+        "position_ids": (torch.arange(n) - cu_seqlens[:-1].long()[seq_id])[None],  # [1, N]
+        "loss_mask": torch.tensor([v for m in masks for v in m], dtype=torch.float32)[None],  # [1, N]
+        "cu_seqlens": cu_seqlens,
+        "attention_mask": allowed[None, None],  # [1, 1, N, N]
+    }
+
+
+def shift_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets for either layout: logits[:, t] scores labels[:, t] = input_ids[:, t + 1].
+
+    label_mask[:, t] = loss_mask[:, t + 1], zeroed where t + 1 starts a sequence (position_ids == 0) so no packed
+    target is predicted across a boundary; the last column is 0.
+    Returns:
+        labels [B, T] long, label_mask [B, T] float32. NLL = -(logprobs.gather(labels) * label_mask).sum().
+    """
+    ids, loss_mask, pos = batch["input_ids"], batch["loss_mask"], batch["position_ids"]
+    labels = torch.zeros_like(ids)  # [B, T]
+    labels[:, :-1] = ids[:, 1:]
+    label_mask = torch.zeros_like(loss_mask, dtype=torch.float32)  # [B, T]
+    label_mask[:, :-1] = loss_mask[:, 1:] * (pos[:, 1:] != 0)
+    return labels, label_mask
+
+
+def split_sequences(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sequence 1-D slices of a per-token tensor (e.g. logprobs [B, T] or [1, N]) in either layout."""
+    if "cu_seqlens" in batch:
+        return list(torch.split(values[0], batch["cu_seqlens"].diff().tolist()))
+    return [values[i, :n] for i, n in enumerate(batch["attention_mask"].sum(-1).tolist())]

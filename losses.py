@@ -1,0 +1,302 @@
+"""Token-level RL math shared by grpo.py and ppo.py, and the chunked logprob/entropy kernels of every trainer.
+
+Plain torch, no torch.distributed, cheap to import. Tensors are [B, T] (B sequences, T response positions),
+`mask` (float or bool) marks response tokens; the kernels take packed rows [N, V]. Definitions match verl's
+verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py on the same inputs.
+
+- agg_loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO).
+- policy_loss: PPO clip with clip-higher (DAPO) and dual clip for negative advantages (arXiv:1912.09729).
+- kl_penalty: k1/k2/k3 estimators (http://joschu.net/blog/kl-approx.html), "+" suffix = straight-through.
+- value_loss: clipped value loss with verl's 0.5 factor.
+- token_logprobs_and_entropy[_from_hidden]: label logprob and entropy per row, in row chunks through one
+  autograd Function, so fp32 [N, V] (from hidden states: any [N, V] logits) is never held whole; the
+  backward recomputes each chunk.
+
+Deviations from verl:
+1. Counts in denominators are clamped to >= 1e-8: an all-masked micro-batch gives 0, not NaN.
+2. agg_loss normalises by `global_tokens` / `global_seqs` (verl: batch_num_tokens / global_batch_size) and
+   has no dp_size factor: the trainer multiplies by the world size itself when its gradient reduce averages.
+3. Logprobs and entropy are always computed in fp32 (verl log_softmaxes bf16 logits in bf16).
+4. policy_loss returns its metrics as detached 0-dim tensors, not floats, so no device sync per micro-batch.
+"""
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x * mask; masked positions count as 0 even when x is NaN/inf there."""
+    mask = mask.to(x.dtype)
+    x = torch.where(mask != 0, x * mask, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over mask (verl_F.masked_mean). x, mask: same shape; dim=None -> scalar, else reduces dim."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return _masked_sum(x, mask, dim) / count.clamp(min=1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Scalar variance of x over mask; unbiased applies Bessel's n/(n-1) as verl (needs >= 2 tokens)."""
+    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    if unbiased:
+        n = mask.to(x.dtype).sum()
+        if n < 2:  # verl raises too: n/(n-1) is undefined
+            raise ValueError(f"masked_var(unbiased=True) needs at least 2 masked tokens, got {n.item()}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) with mask statistics and unbiased var (verl_F.masked_whiten).
+
+    With shift_mean=False the mean is added back (only the spread is normalised). Masked positions are
+    transformed too, not zeroed, as in verl. Returns the shape of x."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: float | torch.Tensor | None = None,
+    global_seqs: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a [B, T] loss matrix into a scalar (verl core_algos.agg_loss).
+
+    Modes, with S_i = sum_t mask*loss of row i, n_i its token count:
+      token-mean              sum_i S_i / (global_tokens or sum_i n_i)
+      seq-mean-token-sum      sum_i S_i / (global_seqs or B)
+      seq-mean-token-mean     sum_i (S_i / n_i) / (global_seqs or B)
+      seq-mean-token-sum-norm sum_i (S_i / norm_length) / (global_seqs or B)   (Dr. GRPO, arXiv:2503.20783)
+    norm_length is verl's loss_scale_factor, default T = loss_mat.shape[-1] as verl: pass the configured max
+    response length to keep it constant. B counts every row, fully masked ones too (verl since PR #4510).
+
+    global_tokens / global_seqs: token / sequence counts of the whole optimiser mini-batch (all micro-batches,
+    all ranks). Each call then returns its micro-batch's share of the global mean, and the shares summed
+    (gradient accumulation, SUM all-reduce) give the mini-batch loss whatever the split. FSDP's reduce
+    AVERAGES over ranks: multiply by the world size (verl's dp_size) before backward. Without them the
+    batch's own counts are used."""
+    if loss_agg_mode == "token-mean":
+        count = mask.to(loss_mat.dtype).sum().clamp(min=1e-8) if global_tokens is None else global_tokens
+        return _masked_sum(loss_mat, mask) / count
+    seq_sums = _masked_sum(loss_mat, mask, dim=-1)  # [B]
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = seq_sums
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_sums / (mask.to(loss_mat.dtype).sum(-1) + 1e-8)  # verl's epsilon
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = seq_sums / (loss_mat.shape[-1] if norm_length is None else norm_length)
+    else:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {AGG_MODES}")
+    return seq_losses.sum() / (loss_mat.shape[0] if global_seqs is None else global_seqs)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **norm: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with clip-higher and dual clip (verl compute_policy_loss_vanilla).
+
+    Per token, r = exp(clamp(logprobs - old_logprobs, -20, 20)):
+      l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); if A < 0: l = min(l, -A clip_ratio_c).
+    All tensors [B, T]; `norm` (global_tokens, global_seqs, norm_length) goes to agg_loss.
+    Returns (scalar loss, metrics) with metrics detached 0-dim tensors: pg_clipfrac (share of tokens where
+    the clipped term won), pg_clipfrac_lower (share where the dual clip bound), ppo_kl (mean old - new).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    log_ratio = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)  # [B, T], clamp as verl
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio  # [B, T]
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = -advantages * clip_ratio_c  # caps the loss of a negative-advantage token with huge ratio
+    pg_losses = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_dual), loss_ppo)  # [B, T]
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, **norm)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+            "pg_clipfrac_lower": masked_mean(((loss_ppo > loss_dual) & (advantages < 0)).float(), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate [B, T] from sampled-token logprobs (verl core_algos.kl_penalty).
+
+    kl|k1: d = logprobs - ref_logprobs;  abs: |d|;  mse|k2: d^2 / 2;
+    low_var_kl|k3: exp(-d) + d - 1, with -d clamped to [-20, 20] and the result to [-10, 10] as verl.
+    A "+" suffix (k1+, k3+, low_var_kl+, ...) keeps that value in the forward but takes k2's gradient,
+    which is unbiased for the KL gradient (verl's straight-through variant)."""
+    straight_through = kl_type.endswith("+") and kl_type not in ("mse+", "k2+")
+    name = kl_type[:-1] if kl_type.endswith("+") else kl_type
+    d = logprobs - ref_logprobs  # [B, T]
+    if name in ("kl", "k1"):
+        kl = d
+    elif name == "abs":
+        kl = d.abs()
+    elif name in ("mse", "k2"):
+        kl = 0.5 * d.square()
+    elif name in ("low_var_kl", "k3"):
+        neg_d = torch.clamp(-d, min=-20.0, max=20.0)
+        kl = torch.clamp(torch.exp(neg_d) - neg_d - 1.0, min=-10.0, max=10.0)
+    else:
+        raise ValueError(f"unknown kl_type {kl_type!r}; expected kl|k1 abs mse|k2 low_var_kl|k3 [+]")
+    if not straight_through:
+        return kl
+    k2 = 0.5 * d.square()
+    return k2 - k2.detach() + kl.detach()
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    **norm: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, old +- c) - R)^2)) (verl compute_value_loss).
+
+    vpreds: new values, values: the rollout's old values, returns: targets; all [B, T]. `norm` goes to
+    agg_loss. Returns (scalar loss, clipfrac: detached share of tokens where the clipped term won)."""
+    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # [B, T]
+    losses = (vpreds - returns) ** 2
+    losses_clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), mask, loss_agg_mode, **norm)
+    return loss, masked_mean((losses_clipped > losses).float(), mask).detach()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, in fp32: [..., V] -> [...]. Materialises all of it."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] in fp32: logits [..., V], labels [...] -> [...]. Materialises all of it."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunk_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A fresh fp32 copy of one chunk of logits, divided by temperature: safe to modify in place."""
+    z = x.to(torch.float32, copy=True)
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent) -> torch.Tensor:
+    """d(g_lp . logprob + g_ent . entropy)/dz for one chunk [n, V], fp32, in two [n, V] buffers (z reused).
+
+    d logprob_i / dz_j = 1[j = label] - p_j;  d H / dz_j = -p_j (log p_j + H). g_lp or g_ent may be None."""
+    logp = z.sub_(lse.unsqueeze(-1))  # [n, V]
+    p = logp.exp()
+    if g_ent is None:
+        grad = p.mul_(-g_lp.unsqueeze(-1))
+    else:
+        coef = logp.add_(entropy.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1))
+        if g_lp is not None:
+            coef.sub_(g_lp.unsqueeze(-1))
+        grad = coef.mul_(p)  # p * (-g_lp - g_ent (log p + H))
+    if g_lp is not None:
+        grad.scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1))
+    return grad
+
+
+def _slice(x: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    return None if x is None else x[sl]
+
+
+class _ChunkedTokenStats(torch.autograd.Function):
+    """logits = x (weight None) or x @ weight.T, processed `chunk_size` rows at a time both ways."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, chunk_size, with_entropy, temperature):
+        ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward
+        n_rows = x.shape[0]
+        lse, logprobs = (x.new_empty(n_rows, dtype=torch.float32) for _ in range(2))
+        entropy = x.new_empty(n_rows if with_entropy else 0, dtype=torch.float32)
+        for s in range(0, n_rows, chunk_size):
+            sl = slice(s, s + chunk_size)
+            z = _chunk_logits(x[sl] if weight is None else x[sl] @ weight.T, temperature)  # [n, V] fp32
+            lse[sl] = torch.logsumexp(z, -1)
+            logprobs[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
+            if with_entropy:  # H = lse - sum_j p_j z_j
+                entropy[sl] = lse[sl] - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(x, weight, labels, lse, entropy)
+        ctx.chunk_size, ctx.with_entropy, ctx.temperature = chunk_size, with_entropy, temperature
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        x, weight, labels, lse, entropy = ctx.saved_tensors
+        g_ent = g_ent if ctx.with_entropy else None
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None, None
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        for s in range(0, x.shape[0], ctx.chunk_size):
+            sl = slice(s, s + ctx.chunk_size)
+            z = _chunk_logits(x[sl] if weight is None else x[sl] @ weight.T, ctx.temperature)
+            g = _chunk_grad(z, labels[sl], lse[sl], _slice(entropy, sl), _slice(g_lp, sl), _slice(g_ent, sl))
+            g = g.div_(ctx.temperature).to(x.dtype)  # [n, V] d loss / d logits, in the input dtype
+            if weight is None:
+                grad_x[sl] = g
+                continue
+            if grad_x is not None:
+                grad_x[sl] = g @ weight
+            if need_w:
+                grad_w.add_(g.T @ x[sl])  # fp32 accumulation over chunks, no fp32 [V, H] temporary
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprob of `labels` and entropy of softmax(logits / temperature), in row chunks.
+
+    logits [..., V] (bf16 or fp32, usually packed [N, V]), labels [...] int64 valid ids (mask afterwards).
+    Each chunk of `chunk_size` rows is upcast to fp32 alone, forward and backward, so peak extra memory is
+    a few fp32 [chunk_size, V] buffers. Differentiable w.r.t. logits; the gradient has the logits' dtype.
+    Returns (logprobs, entropy or None), fp32, shaped like labels."""
+    rows, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    lp, ent = _ChunkedTokenStats.apply(rows, None, flat_labels, chunk_size, with_entropy, temperature)
+    return lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None
+
+
+def token_logprobs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As token_logprobs_and_entropy, with logits = hidden @ weight.T computed one chunk at a time.
+
+    hidden [..., H] (the final hidden states), weight [V, H] (lm_head, unsharded, no bias), labels [...].
+    Neither fp32 nor bf16 [N, V] logits are ever materialised; the backward recomputes each chunk's logits
+    and accumulates the weight gradient in fp32 (one [V, H] fp32 buffer). Differentiable w.r.t. hidden and
+    weight. Returns (logprobs, entropy or None), fp32, shaped like labels."""
+    rows, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    lp, ent = _ChunkedTokenStats.apply(rows, weight, flat_labels, chunk_size, with_entropy, temperature)
+    return lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None

@@ -1,0 +1,367 @@
+"""sft.py: supervised fine-tuning of a Hugging Face causal LM, sharded with FSDP2.
+
+Loss: mean negative log-likelihood of the response (assistant) tokens, normalised by the number of response
+tokens in the whole global batch (all micro-batches, all ranks), so gradient accumulation and the number of
+ranks do not change the update.
+
+Launch (the defaults train the offline toy model that `python toy.py --out runs/toy` builds):
+    python sft.py
+    torchrun --nproc_per_node 8 sft.py --config configs/sft_gsm8k.yaml --model.partial_pretrain Qwen/Qwen2.5-0.5B-Instruct
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 sft.py --config ...
+Then `python shard_merge.py --ckpt-dir RUN/global_step_N --out DIR` writes a Hugging Face folder.
+
+Where it deviates from verl's fsdp_sft_trainer:
+1. Each field has one home (these dataclasses); `--config FILE.yaml` holds overrides in verl's key names.
+2. `data.train_batch_size` is the global batch in sequences; `data.micro_batch_size_per_gpu` or, with
+   `data.use_dynamic_bsz`, `data.max_token_len_per_gpu` splits each rank's share into micro-batches.
+3. Padding-free packing (`model.use_remove_padding`) uses a block-diagonal attention mask, which works with
+   any attention implementation; no flash-attn needed.
+4. No Ulysses sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+import config
+import data
+import fsdp
+import log
+import losses
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training and validation data."""
+
+    train_files: str | list[str] = "runs/toy/sft/train.parquet"
+    """Parquet or jsonl file(s) with prompt/response columns or a chat `messages` column."""
+    val_files: str | list[str] | None = "runs/toy/sft/val.parquet"
+    """Validation file(s); None disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    response_key: str = "response"
+    """Column holding the response text (the tokens the loss is on)."""
+    messages_key: str = "messages"
+    """Column holding multi-turn chat messages; used when present instead of prompt/response (loss on assistant turns)."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (prompt as one user turn)."""
+    max_length: int = 1024
+    """Longest sequence in tokens (prompt + response)."""
+    truncation: Literal["left", "right", "error"] = "error"
+    """What to do with a longer sequence: cut its start, cut its end, or stop with an error naming the row."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows with a missing key, empty or non-string response, instead of stopping."""
+    train_batch_size: int = 256
+    """Global batch: sequences per optimizer step, over all ranks."""
+    micro_batch_size_per_gpu: int = 4
+    """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches under a token budget (`max_token_len_per_gpu`) instead of a fixed number of sequences."""
+    max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch when `use_dynamic_bsz` is on."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model being fine-tuned."""
+
+    partial_pretrain: str = "runs/toy/model"
+    """Hugging Face model id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder to start from."""
+    trust_remote_code: bool = False
+    """Allow the model folder's own Python code to run (off: a downloaded model must not run code)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation (sdpa, eager, flex_attention, flash_attention_2)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's sequences into one row (no padding tokens computed)."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all weights."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
+    """Sharding, mixed precision and offload."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup and a cosine or constant schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    warmup_steps_ratio: float = 0.1
+    """Fraction of the total steps spent warming the learning rate up linearly from 0."""
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    """Schedule after warmup."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of `lr`."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (the norm before clipping is logged as train/grad_norm)."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Loop length, logging, checkpoints."""
+
+    default_local_dir: str = "runs/sft"
+    """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints."""
+    project_name: str = "flatrl"
+    """Project name for tensorboard/wandb."""
+    experiment_name: str = "sft"
+    """Run name for tensorboard/wandb."""
+    total_epochs: int = 1
+    """Passes over the training data (ignored when total_training_steps is set)."""
+    total_training_steps: int | None = None
+    """Stop after this many optimizer steps."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validation loss every N steps (-1: only before and after training)."""
+    resume_mode: str = "auto"
+    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only this many newest checkpoints (None: all)."""
+    seed: int = 0
+    """Seed for data order and initialisation."""
+    timeout_s: float = 600.0
+    """Collective timeout: a dead rank turns into an error on the others after this long."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning with FSDP2 (see the module docstring)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def lr_lambda(step: int, total: int, cfg: OptimConfig) -> float:
+    """Linear warmup to 1, then cosine to min_lr_ratio (or constant)."""
+    warmup = int(cfg.warmup_steps_ratio * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.lr_scheduler == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def response_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed NLL of the response tokens in one micro-batch (padded or packed layout) and their count."""
+    out = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
+    labels, mask = data.shift_labels(batch)  # [B, T] next token and whether it is trained on
+    logprobs = losses.token_logprobs(out.logits, labels)  # [B, T], chunked over rows: no fp32 [B, T, V]
+    return -(logprobs * mask).sum(), int(mask.sum())
+
+
+def make_micro_batches(
+    ds: data.SFTDataset, indices: list[int], cfg: DataConfig, packed: bool, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of a global batch, as collated micro-batches (all ranks get the same count)."""
+    d = dist.get_rank(), dist.get_world_size()
+    lengths = [len(ds[i]["input_ids"]) for i in indices]
+    mine = data.split_for_rank(indices, d[0], d[1], lengths=lengths)
+    mine_lengths = [len(ds[i]["input_ids"]) for i in mine]
+    if cfg.use_dynamic_bsz:
+        groups = data.micro_batches(mine_lengths, max_token_len=cfg.max_token_len_per_gpu)
+    else:
+        groups = data.micro_batches(mine_lengths, micro_batch_size=cfg.micro_batch_size_per_gpu)
+    n = int(fsdp.all_reduce(len(groups), "max"))  # FSDP collectives need the same number of passes on every rank
+    groups = data.micro_batches(
+        mine_lengths,
+        micro_batch_size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
+        max_token_len=cfg.max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        min_num=n,
+    )
+    batches = []
+    for g in groups:
+        seqs = [ds[mine[j]]["input_ids"] for j in g]
+        masks = [ds[mine[j]]["loss_mask"] for j in g]
+        if not seqs:  # an empty micro-batch keeps this rank in step: one token, no loss
+            seqs, masks = [[ds.pad_id]], [[0]]
+        b = data.pack_batch(seqs, masks) if packed else data.pad_batch(seqs, masks, ds.pad_id)
+        batches.append({k: v.to(device) for k, v in b.items()})
+    return batches
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device: torch.device) -> float:
+    """Mean response-token NLL over the whole validation set (all ranks share the work)."""
+    model.eval()
+    nll, n_tok = torch.zeros((), dtype=torch.float64), 0
+    indices = list(range(len(ds)))
+    step = cfg.data.train_batch_size
+    for start in range(0, len(indices), step):
+        for b in make_micro_batches(ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device):
+            s, n = response_nll(model, b)
+            nll += s.double().cpu()
+            n_tok += n
+    model.train()
+    return fsdp.all_reduce(nll.item()) / max(1.0, fsdp.all_reduce(n_tok))
+
+
+def main(cfg: SFTConfig) -> dict[str, float]:
+    """Trains; returns the final metrics (train/loss, val/loss_before, val/loss, ...)."""
+    from transformers import AutoTokenizer
+
+    d = fsdp.init_distributed(cfg.trainer.timeout_s)
+    fsdp.seed_everything(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.expanduser(cfg.model.partial_pretrain), trust_remote_code=cfg.model.trust_remote_code
+    )
+    ds_kwargs = dict(
+        tokenizer=tokenizer,
+        prompt_key=cfg.data.prompt_key,
+        response_key=cfg.data.response_key,
+        messages_key=cfg.data.messages_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        max_length=cfg.data.max_length,
+        truncation=cfg.data.truncation,
+        skip_bad_rows=cfg.data.skip_bad_rows,
+    )
+    train_ds = data.SFTDataset(cfg.data.train_files, **ds_kwargs)
+    val_ds = data.SFTDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
+    if train_ds.skipped:
+        fsdp.print0(f"skipped training rows: {train_ds.skipped}")
+
+    model = fsdp.load_model(
+        cfg.model.partial_pretrain,
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=cfg.model.attn_implementation,
+        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+    )
+    lora_info = None
+    if cfg.model.lora_rank > 0:
+        import lora
+
+        wrapped = lora.apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules)
+        lora_info = dict(
+            rank=cfg.model.lora_rank,
+            alpha=cfg.model.lora_alpha,
+            target_modules=sorted({w.rsplit(".", 1)[-1] for w in wrapped}),
+            base_model_name_or_path=cfg.model.partial_pretrain,
+        )
+    hf_files = dict(
+        config=model.config, generation_config=model.generation_config, tokenizer=tokenizer, lora=lora_info
+    )
+    model = fsdp.shard_model(model, d.device, cfg.model.fsdp_config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay, fused=False
+    )
+
+    sampler = data.EpochSampler(len(train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, total_steps, cfg.optim))
+
+    step, results = 0, {}
+    resume = fsdp.resolve_resume(run_dir, cfg.trainer.resume_mode)
+    if resume is not None:
+        state = fsdp.load_checkpoint(resume, model, optimizer)
+        sampler.load_state_dict(state["sampler"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, results = state["global_step"], state.get("results", {})
+        fsdp.print0(f"resumed from {resume} at step {step}")
+
+    logger = log.Logger(
+        run_dir,
+        cfg.trainer.logger,
+        rank=d.rank,
+        total_steps=total_steps,
+        project=cfg.trainer.project_name,
+        experiment=cfg.trainer.experiment_name,
+        config=config.to_dict(cfg),
+    )
+    if d.is_main:
+        log.write_run_files(run_dir, config.to_yaml(cfg))
+    if val_ds is not None and step == 0:
+        results["val/loss_before"] = validate(model, val_ds, cfg, d.device)
+        logger.log({"val/loss": results["val/loss_before"]}, step=0)
+
+    def checkpoint() -> None:
+        state = dict(
+            sampler=sampler.state_dict(),
+            scheduler=scheduler.state_dict(),
+            results=results,
+            config=config.to_dict(cfg),
+            run_info=log.run_info(),
+        )
+        fsdp.save_checkpoint(
+            run_dir, step, model, optimizer, state, hf_files, keep_last=cfg.trainer.max_ckpt_to_keep
+        )
+
+    it = iter(sampler)
+    while step < total_steps:
+        t0 = time.perf_counter()
+        indices = next(it)
+        batches = make_micro_batches(train_ds, indices, cfg.data, cfg.model.use_remove_padding, d.device)
+        local_tokens = sum(int(data.shift_labels(b)[1].sum()) for b in batches)
+        global_tokens = fsdp.all_reduce(local_tokens)
+        nll_sum = 0.0
+        for i, b in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
+            nll, _ = response_nll(model, b)
+            # FSDP averages gradients over ranks, so scale by world size to get a sum over the global batch.
+            (nll * d.world_size / global_tokens).backward()
+            nll_sum += nll.item()
+        grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step += 1
+        elapsed = time.perf_counter() - t0
+        seen = fsdp.all_reduce(sum(int((b["position_ids"] >= 0).sum()) for b in batches))
+        metrics = {
+            "train/loss": fsdp.all_reduce(nll_sum) / global_tokens,
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/num_tokens": global_tokens,
+            "train/epoch": sampler.state_dict()["epoch"],
+            "perf/tokens_per_s": seen / elapsed,
+            "timing_s/step": elapsed,
+        }
+        if torch.cuda.is_available():
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        last = step == total_steps
+        if val_ds is not None and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+            metrics["val/loss"] = validate(model, val_ds, cfg, d.device)
+        logger.log(metrics, step=step)
+        results.update({k: v for k, v in metrics.items() if k in ("train/loss", "val/loss")})
+        if last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+            checkpoint()
+    logger.close()
+    results["global_step"] = step
+    return results
+
+
+if __name__ == "__main__":
+    cfg = config.parse(SFTConfig)
+    try:
+        metrics = main(cfg)
+        fsdp.print0({k: round(v, 4) for k, v in metrics.items()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,282 @@
+"""losses.py: hand-derived numbers for the RL math, and the chunked kernels against plain log_softmax."""
+
+import math
+
+import pytest
+import torch
+
+import losses
+
+torch.set_num_threads(1)
+NAN = float("nan")
+
+
+def close(actual: torch.Tensor, expected, tol: float = 1e-6) -> None:
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def test_masked_mean_and_whiten():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    close(losses.masked_mean(x, mask), (1 + 3 + 4) / 3)
+    close(losses.masked_mean(x, mask, dim=-1), [1.0, 3.5])
+    # values 1, 2, 3 (100 masked): mean 2, unbiased var ((-1)^2 + 0 + 1^2) / (3 - 1) = 1
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    close(losses.masked_var(x, mask), 1.0)
+    close(losses.masked_var(x, mask, unbiased=False), 2 / 3)
+    s = 1 / math.sqrt(1 + 1e-8)
+    close(losses.masked_whiten(x, mask), [[-s, 0.0, s, 98 * s]])  # masked slot transformed too, as verl
+    close(losses.masked_whiten(x, mask, shift_mean=False), [[2 - s, 2.0, 2 + s, 2 + 98 * s]])
+    with pytest.raises(ValueError):
+        losses.masked_var(x, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+# ---------------------------------------------------------------- aggregation
+
+# rows: [1, 2 | 3 masked], [4 | 5, NaN masked] -> S = (3, 4), n = (2, 1), B = 2, T = 3
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, kwargs, expected",
+    [
+        ("token-mean", {}, (1 + 2 + 4) / 3),
+        ("seq-mean-token-sum", {}, (3 + 4) / 2),
+        ("seq-mean-token-mean", {}, (3 / 2 + 4 / 1) / 2),
+        ("seq-mean-token-sum-norm", {}, (3 / 3 + 4 / 3) / 2),  # default norm_length = T = 3
+        ("seq-mean-token-sum-norm", {"norm_length": 7}, (3 / 7 + 4 / 7) / 2),
+        ("token-mean", {"global_tokens": 10}, 7 / 10),
+        ("seq-mean-token-sum", {"global_seqs": 5}, 7 / 5),
+        ("seq-mean-token-mean", {"global_seqs": 4}, 5.5 / 4),
+        ("seq-mean-token-sum-norm", {"global_seqs": 4, "norm_length": 2}, (3 / 2 + 4 / 2) / 4),
+    ],
+)
+def test_agg_loss_modes(mode, kwargs, expected):
+    close(losses.agg_loss(LOSS, MASK, mode, **kwargs), expected)
+
+
+def test_agg_loss_rejects_unknown_mode_and_survives_empty_mask():
+    with pytest.raises(ValueError, match="token-sum-mean"):
+        losses.agg_loss(LOSS, MASK, "token-sum-mean")
+    close(losses.agg_loss(LOSS, torch.zeros_like(MASK)), 0.0)  # verl would give NaN
+
+
+@pytest.mark.parametrize("mode", losses.AGG_MODES)
+def test_global_normalisation_of_halves_sums_to_whole(mode):
+    g = torch.Generator().manual_seed(0)
+    loss_mat = torch.randn(6, 5, generator=g, requires_grad=True)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    whole = losses.agg_loss(loss_mat, mask, mode)
+    norm = {"global_tokens": mask.sum(), "global_seqs": 6}
+    halves = losses.agg_loss(loss_mat[:2], mask[:2], mode, **norm) + losses.agg_loss(
+        loss_mat[2:], mask[2:], mode, **norm
+    )
+    close(halves, whole.item())
+    (g_whole,) = torch.autograd.grad(whole, loss_mat)
+    (g_halves,) = torch.autograd.grad(halves, loss_mat)
+    torch.testing.assert_close(g_halves, g_whole, atol=1e-7, rtol=1e-6)
+    if mode != "seq-mean-token-sum-norm":  # without global counts the halves are not a split of the mean
+        unnormed = losses.agg_loss(loss_mat[:2], mask[:2], mode) + losses.agg_loss(
+            loss_mat[2:], mask[2:], mode
+        )
+        assert abs(unnormed.item() - whole.item()) > 1e-3
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def test_policy_loss_clip_higher_and_dual_clip():
+    # clip_ratio_low 0.2, high 0.28, c 3. r = exp(logprobs - old_logprobs); loss = max(-A r, -A clip(r)).
+    ratio = torch.tensor([[1.5, 0.5, 1.1], [0.5, 4.0, math.e**5]])
+    adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, -1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # (0,0) A>0, r=1.5 above 1.28: max(-1.5, -1.28) = -1.28, clipped, no gradient
+    # (0,1) A>0, r=0.5 below 0.8: max(-0.5, -0.8) = -0.5, unclipped (A>0 is only clipped above)
+    # (0,2) A<0, r=1.1 inside: 1.1, dual bound 3 not hit
+    # (1,0) A<0, r=0.5: max(0.5, 0.8) = 0.8, clipped
+    # (1,1) A<0, r=4: max(4, 1.28) = 4 > 3 -> dual clip gives 3, counted in clipfrac_lower only
+    # (1,2) masked
+    logprobs = ratio.log().requires_grad_(True)
+    loss, m = losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask, 0.2, 0.28, 3.0)
+    close(loss, (-1.28 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
+    close(m["pg_clipfrac"], 2 / 5)
+    close(m["pg_clipfrac_lower"], 1 / 5)
+    close(m["ppo_kl"], -math.log(1.5 * 0.5 * 1.1 * 0.5 * 4.0) / 5)  # mean of old - new = -log r
+    # d loss / d logprob = -A r / 5 on the unclipped tokens, 0 where a clip or the dual bound is active
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    close(grad, [[0.0, -0.5 / 5, 1.1 / 5], [0.0, 0.0, 0.0]])
+    # symmetric clip 0.2: (0,0) is now clipped at 1.2 -> -1.2
+    loss_sym, _ = losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask)
+    close(loss_sym, (-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
+    with pytest.raises(ValueError):
+        losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask, clip_ratio_c=1.0)
+
+
+def test_policy_loss_forwards_aggregation():
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    # on-policy (r = 1): per-token loss = -A -> S = (-2, 2), n = (2, 1)
+    loss, _ = losses.policy_loss(logprobs, logprobs, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    close(loss, (-2 / 2 + 2 / 1) / 2)
+    loss, _ = losses.policy_loss(logprobs, logprobs, adv, mask, global_tokens=6.0)
+    close(loss, 0.0 / 6)
+    loss, _ = losses.policy_loss(
+        logprobs, logprobs, adv, mask, loss_agg_mode="seq-mean-token-sum", global_seqs=4
+    )
+    close(loss, 0.0)
+    loss, _ = losses.policy_loss(
+        logprobs, logprobs, adv.abs(), mask, loss_agg_mode="seq-mean-token-sum", global_seqs=4
+    )
+    close(loss, (-2 - 2) / 4)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_penalty_types():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])  # d = logprobs - ref = (0.5, -1, 0)
+    for name in ("kl", "k1"):
+        close(losses.kl_penalty(logprobs, ref, name), [[0.5, -1.0, 0.0]])
+    close(losses.kl_penalty(logprobs, ref, "abs"), [[0.5, 1.0, 0.0]])
+    for name in ("mse", "k2"):
+        close(losses.kl_penalty(logprobs, ref, name), [[0.125, 0.5, 0.0]])
+    k3 = [[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1, 0.0]]  # exp(-d) + d - 1
+    for name in ("low_var_kl", "k3"):
+        close(losses.kl_penalty(logprobs, ref, name), k3)
+    # clamps: -d = 20 -> e^20 - 21, clipped to 10; -d = -30 -> clamped to -20 -> e^-20 + 19, clipped to 10
+    far = losses.kl_penalty(torch.tensor([[0.0, 0.0]]), torch.tensor([[20.0, -30.0]]), "k3")
+    close(far, [[10.0, 10.0]])
+    with pytest.raises(ValueError, match="k4"):
+        losses.kl_penalty(logprobs, ref, "k4")
+
+
+def test_kl_straight_through_has_k3_value_and_k2_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    kl = losses.kl_penalty(logprobs, ref, "k3+")
+    close(kl, losses.kl_penalty(logprobs, ref, "k3").detach())
+    (grad,) = torch.autograd.grad(kl.sum(), logprobs)
+    close(grad, [[0.5, -1.0, 0.0]])  # d/dlogprobs of d^2/2 = d
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def test_value_loss_clipping():
+    # cliprange 0.5. (0,0): v 1 clipped to 0.5, R 2: max(1, 2.25) = 2.25, clipped term wins
+    # (0,1): v 0.2 inside, R 1: 0.64 both.  (1,0): v 2 clipped to 1.5, R 1: max(1, 0.25) = 1.  (1,1): masked
+    vpreds = torch.tensor([[1.0, 0.2], [2.0, 9.0]], requires_grad=True)
+    values = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    returns = torch.tensor([[2.0, 1.0], [1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, clipfrac = losses.value_loss(vpreds, returns, values, mask, 0.5)
+    close(loss, 0.5 * (2.25 + 0.64 + 1.0) / 3)
+    close(clipfrac, 1 / 3)
+    # gradient 0.5 * 2 (v - R) / 3 where the unclipped term is active, 0 where the clipped one is
+    (grad,) = torch.autograd.grad(loss, vpreds)
+    close(grad, [[0.0, (0.2 - 1.0) / 3], [(2.0 - 1.0) / 3, 0.0]])
+    loss, _ = losses.value_loss(vpreds, returns, values, mask, 0.5, "seq-mean-token-sum")
+    close(loss, 0.5 * ((2.25 + 0.64) + 1.0) / 2)
+
+
+# ---------------------------------------------------------------- logprobs and entropy
+
+
+def test_plain_logprobs_and_entropy_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)]])  # probs (1/2, 1/2) and (1/4, 3/4)
+    labels = torch.tensor([0, 1])
+    close(losses.logprobs_from_logits(logits, labels), [-math.log(2), math.log(0.75)])
+    h = [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
+    close(losses.entropy_from_logits(logits), h)
+    lp, ent = losses.token_logprobs_and_entropy(logits, labels, chunk_size=1)
+    close(lp, [-math.log(2), math.log(0.75)])
+    close(ent, h)
+
+
+def _reference(logits, labels, temperature):
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 10, 37, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logits_match_full_log_softmax(chunk_size, temperature):
+    g = torch.Generator().manual_seed(chunk_size)
+    n, v = 37, 50
+    logits = (3 * torch.randn(n, v, generator=g)).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    lp, ent = losses.token_logprobs_and_entropy(logits, labels, chunk_size, temperature=temperature)
+    (grad,) = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), logits)
+    ref_lp, ref_ent = _reference(logits, labels, temperature)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum(), logits)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+    # each output alone (the other one unused, so its gradient is skipped)
+    for use_entropy in (False, True):
+        lp, ent = losses.token_logprobs_and_entropy(logits, labels, chunk_size, temperature=temperature)
+        (grad,) = torch.autograd.grad((ent * w_ent).sum() if use_entropy else (lp * w_lp).sum(), logits)
+        ref_lp, ref_ent = _reference(logits, labels, temperature)
+        ref_out = (ref_ent * w_ent).sum() if use_entropy else (ref_lp * w_lp).sum()
+        (ref_grad,) = torch.autograd.grad(ref_out, logits)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_without_entropy_batched_shape_and_bf16():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 40, generator=g).requires_grad_(True)
+    labels = torch.randint(0, 40, (2, 5), generator=g)
+    lp, ent = losses.token_logprobs_and_entropy(logits, labels, chunk_size=3, with_entropy=False)
+    assert ent is None and lp.shape == (2, 5)
+    (grad,) = torch.autograd.grad(lp.sum(), logits)
+    ref_lp = losses.logprobs_from_logits(logits, labels)
+    (ref_grad,) = torch.autograd.grad(ref_lp.sum(), logits)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+    # bf16 logits: computed in fp32 from the same bf16 values; the gradient comes back in bf16
+    bf = logits.detach().bfloat16().requires_grad_(True)
+    lp, ent = losses.token_logprobs_and_entropy(bf, labels, chunk_size=4)
+    (grad,) = torch.autograd.grad(lp.sum() + ent.sum(), bf)
+    ref_lp, ref_ent = _reference(bf.detach().float().requires_grad_(True), labels, 1.0)
+    assert lp.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 7, 64])
+def test_chunked_from_hidden_matches_full_logits(chunk_size):
+    g = torch.Generator().manual_seed(2)
+    n, h, v = 23, 16, 60
+    hidden = torch.randn(n, h, generator=g).requires_grad_(True)
+    weight = (0.5 * torch.randn(v, h, generator=g)).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    lp, ent = losses.token_logprobs_and_entropy_from_hidden(
+        hidden, weight, labels, chunk_size, temperature=0.8
+    )
+    grads = torch.autograd.grad((lp * w_lp).sum() + (ent * w_ent).sum(), (hidden, weight))
+    ref_lp, ref_ent = _reference(hidden @ weight.T, labels, 0.8)
+    ref_grads = torch.autograd.grad((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum(), (hidden, weight))
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # frozen head (LoRA): only the hidden-state gradient is asked for
+    lp, _ = losses.token_logprobs_and_entropy_from_hidden(hidden, weight.detach(), labels, chunk_size)
+    (g_h,) = torch.autograd.grad(lp.sum(), hidden)
+    ref_lp, _ = _reference(hidden @ weight.detach().T, labels, 1.0)
+    (ref_g_h,) = torch.autograd.grad(ref_lp.sum(), hidden)
+    torch.testing.assert_close(g_h, ref_g_h, atol=1e-5, rtol=1e-5)

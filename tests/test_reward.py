@@ -1,0 +1,414 @@
+"""Tests for reward.py: scorers on the real GSM8K files and hand cases, dispatch, custom functions, the pool."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import reward  # noqa: E402
+from reward import (  # noqa: E402
+    RewardPool,
+    adapt_reward_fn,
+    countdown_score,
+    default_compute_score,
+    format_reward,
+    gsm8k_score,
+    load_reward_fn,
+    math_score,
+)
+
+GSM8K_DIR = Path(__file__).parents[1] / "../shared/data/gsm8k"
+
+
+def _gsm8k_rows() -> list[dict]:
+    files = [GSM8K_DIR / "train.jsonl", GSM8K_DIR / "test.jsonl"]
+    if not all(f.is_file() for f in files):
+        pytest.skip(f"GSM8K files not found under {GSM8K_DIR.resolve()} (the shared/ folder beside the repo)")
+    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+
+
+def _gold(answer: str) -> str:
+    # verl's examples/data_preprocess/gsm8k.py: the text after "#### ", commas removed
+    return answer.split("#### ")[-1].replace(",", "").strip()
+
+
+# ---------------------------------------------------------------- GSM8K
+
+
+def test_gsm8k_every_gold_solution_scores_one():
+    rows = _gsm8k_rows()
+    assert len(rows) == 7473 + 1319
+    for method in ("strict", "flexible"):
+        scores = [gsm8k_score(r["answer"], _gold(r["answer"]), method=method) for r in rows]
+        bad = [r["answer"][-60:] for r, s in zip(rows, scores, strict=True) if s != 1.0]
+        assert not bad, f"{method}: {len(bad)} gold solutions scored < 1, e.g. {bad[:3]}"
+    # ground truth with its thousands separators kept ("1,450,000") must match too
+    with_commas = [r for r in rows if "," in r["answer"].split("#### ")[-1]]
+    assert len(with_commas) == 93
+    assert all(gsm8k_score(r["answer"], r["answer"].split("#### ")[-1]) == 1.0 for r in with_commas)
+
+
+def test_gsm8k_gold_solution_with_another_answer_scores_format_score():
+    rows = _gsm8k_rows()
+    golds = [_gold(r["answer"]) for r in rows]
+    pairs = [(i, (i + 1) % len(rows)) for i in range(len(rows))]
+    pairs = [(i, j) for i, j in pairs if Fraction(golds[i]) != Fraction(golds[j])]
+    assert len(pairs) > 8000
+    for i, j in pairs:
+        assert gsm8k_score(rows[i]["answer"], golds[j], format_score=0.25) == 0.25
+        assert gsm8k_score(rows[i]["answer"], golds[j], method="flexible") == 0.0
+
+
+@pytest.mark.parametrize(
+    "solution, gold, method, expected",
+    [
+        ("so she pays #### $1,000", "1000", "strict", 1.0),
+        ("so she pays #### 1,000", "$1,000", "strict", 1.0),
+        ("In total she pays $1,000.", "1000", "flexible", 1.0),
+        ("#### 1,000.00", "1000", "strict", 1.0),  # numeric comparison
+        ("#### 5.0", "5", "strict", 1.0),
+        ("#### 72.", "72", "strict", 1.0),  # trailing full stop
+        ("#### 5.5", "5", "strict", 0.5),
+        ("#### -3", "-3", "strict", 1.0),
+        ("the change is -3 dollars", "-3", "flexible", 1.0),
+        ("#### 3", "-3", "strict", 0.5),
+        ("#### -3", "3", "strict", 0.5),
+        ("#### 4\nwait, no.\n#### 5", "5", "strict", 1.0),  # the last #### wins
+        ("#### 4\nwait, no.\n#### 5", "4", "strict", 0.5),
+        ("The answer is 5", "5", "strict", 0.0),  # no #### -> nothing extracted, not format_score
+        ("The answer is 5", "5", "flexible", 1.0),
+        ("Hello, world.", "5", "flexible", 0.0),  # "," and "." are not answers
+        ("#### ,", "5", "strict", 0.0),
+        ("####7", "7", "strict", 1.0),
+        ("#### 7" + " and so on" * 100, "7", "strict", 1.0),  # no 300-char clip (module docstring, 1.)
+        ("#### 7", 7, "strict", 1.0),  # an int ground truth
+    ],
+)
+def test_gsm8k_hand_cases(solution, gold, method, expected):
+    assert gsm8k_score(solution, gold, method=method, format_score=0.5) == expected
+
+
+def test_gsm8k_scores_and_bad_method():
+    assert gsm8k_score("#### 6", "7") == 0.0
+    assert gsm8k_score("#### 7", "7", score=2.0) == 2.0
+    with pytest.raises(ValueError, match="loose"):
+        gsm8k_score("#### 7", "7", method="loose")
+
+
+# ---------------------------------------------------------------- MATH
+
+
+@pytest.mark.parametrize(
+    "solution, gold, expected",
+    [
+        (r"so the answer is $\boxed{\frac{\sqrt{3}}{2}}$.", r"\frac{\sqrt{3}}{2}", 1.0),  # nested braces
+        (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{2}}{2}", 0.0),
+        (r"first \boxed{1}, then \boxed{2}", "2", 1.0),  # the last box counts
+        (r"first \boxed{1}, then \boxed{2}", "1", 0.0),
+        (r"\boxed{\frac{1}{2}", r"\frac{1}{2}", 0.0),  # unbalanced: cut off
+        ("the answer is 5", "5", 0.0),  # no box
+        (r"\boxed{\left( 3, 4 \right)}", "(3,4)", 1.0),
+        (r"\boxed{(1,2)}", "12", 0.0),  # tuple commas are not thousands separators
+        (r"\boxed{1,000}", "1000", 1.0),
+        (r"\boxed{10\text{ cm}}", "10", 1.0),
+        (r"\boxed{\text{(B)}}", "(B)", 1.0),
+        (r"\boxed{\dfrac{1}{2}}", r"\frac12", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{1/2}", "0.5", 1.0),
+        (r"\boxed{-\frac{3}{4}}", "-0.75", 1.0),
+        (r"\boxed{0.49}", r"\frac{1}{2}", 0.0),
+        (r"\boxed{5.}", "5", 1.0),
+        (r"\boxed{x = 3}", "3", 1.0),
+        (r"\boxed{90^\circ}", "90", 1.0),
+        (r"\boxed{\!12\,345}", "12345", 1.0),
+        (r"\boxed 5$", "5", 1.0),
+        (r"\boxed{\sqrt2}", r"\sqrt{2}", 1.0),
+        (r"\boxed{7}", r"The answer is \boxed{7}.", 1.0),  # a boxed ground truth is unwrapped
+    ],
+)
+def test_math_score(solution, gold, expected):
+    assert math_score(solution, gold) == expected
+
+
+# ---------------------------------------------------------------- Countdown
+
+GT = {"target": 60, "numbers": [3, 5, 25]}
+
+
+@pytest.mark.parametrize(
+    "solution, gt, expected",
+    [
+        ("<think>25-5=20, 20*3=60</think> <answer>(25 - 5) * 3</answer>", GT, 1.0),
+        ("<answer>(25-5)*3 = 60</answer>", GT, 1.0),
+        ("<answer>(25-5)*3 = 61</answer>", GT, 0.1),  # claims the wrong target
+        ("<answer>(25+5)*3</answer>", GT, 0.1),  # 90
+        ("<answer>(25-5)*3*1</answer>", GT, 0.1),  # uses a number not given
+        ("<answer>(25-5)*(5-2)</answer>", GT, 0.1),  # 5 twice, 3 not at all
+        ("<answer>60</answer>", GT, 0.1),
+        ("<answer>1+1</answer> ... <answer>(25-5)*3</answer>", GT, 1.0),  # the last answer counts
+        ("<answer>(25-5)*3</answer> ... <answer>1+1</answer>", GT, 0.1),
+        ("<answer>8/(3-8/3)</answer>", {"target": 24, "numbers": [8, 3, 8, 3]}, 1.0),  # exact division
+        ("<answer>2/(5-5)</answer>", {"target": 2, "numbers": [5, 5, 2]}, 0.1),  # division by zero
+        ("<answer>-3+5</answer>", {"target": 2, "numbers": [3, 5]}, 1.0),  # unary minus
+        ("<answer>\n(25 - 5)\n* 3\n</answer>", GT, 1.0),
+        ("no answer tag: (25-5)*3", GT, 0.0),
+        ("<answer></answer>", GT, 0.0),
+        ("<answer>twenty times three</answer>", GT, 0.0),
+        ("<answer>(25-5)*3.0</answer>", GT, 0.0),  # integers only
+        ("<answer>((25-5)*3</answer>", GT, 0.0),
+        ("<answer>(25-5)*3 = sixty</answer>", GT, 0.0),
+        ("<answer>(25-5)*3 = 60 = 60</answer>", GT, 0.0),
+    ],
+)
+def test_countdown_score(solution, gt, expected):
+    assert countdown_score(solution, gt) == expected
+
+
+def test_countdown_numpy_ground_truth_and_scores():
+    np = pytest.importorskip("numpy")  # parquet rows come back with numpy arrays
+    gt = {"target": np.int64(60), "numbers": np.array([25, 3, 5])}
+    assert countdown_score("<answer>(25-5)*3</answer>", gt, format_score=0.2, score=3.0) == 3.0
+    assert countdown_score("<answer>25+5+3</answer>", gt, format_score=0.2, score=3.0) == 0.2
+
+
+def test_countdown_hostile_strings(tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = [
+        f"__import__('os').system('touch {marker}')",
+        f"(lambda: __import__('os').system('touch {marker}'))()",
+        "(1)**999999999",
+        "9**9**9**9",
+        "(" * 100_000 + "1" + ")" * 100_000,
+        "(" * 40 + "3" + ")" * 40,  # short enough, too deep
+        "-" * 60 + "3",
+        "1+" * 150 + "1",
+        "9" * 5000,
+        "3 if 1 else 5",
+        "0x3c",
+        "3e1*2",
+        "[25,5,3]",
+    ]
+    start = time.perf_counter()
+    for h in hostile:
+        assert countdown_score(f"<answer>{h}</answer>", GT) == 0.0, h
+        assert countdown_score(f"<answer>{h}</answer>" * 1000, GT) == 0.0
+    assert time.perf_counter() - start < 2.0
+    assert not marker.exists()
+    assert "os" not in reward.__dict__  # reward.py never needs os.system; it imports os only for paths
+    for h in hostile[:1]:
+        with pytest.raises(ValueError):
+            reward._eval_arith(h)
+
+
+# ---------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>a</think><answer>b</answer>", 1.0),
+        ("  \n<think>\nstep 1\nstep 2\n</think>\n\n<answer>\n42\n</answer>\n", 1.0),
+        ("<think></think><answer></answer>", 1.0),
+        ("<answer>b</answer>", 0.0),
+        ("<think>a</think>", 0.0),
+        ("hi <think>a</think><answer>b</answer>", 0.0),
+        ("<think>a</think><answer>b</answer> bye", 0.0),
+        ("<think>a</think> x <answer>b</answer>", 0.0),
+        ("<think>a</think><answer>b</answer><answer>c</answer>", 0.0),
+        ("<think>a<think>b</think><answer>c</answer>", 0.0),
+        ("<answer>b</answer><think>a</think>", 0.0),
+    ],
+)
+def test_format_reward(text, expected):
+    assert format_reward(text) == expected
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_default_compute_score_dispatch():
+    assert default_compute_score("openai/gsm8k", "#### 12", "12") == 1.0
+    assert default_compute_score("openai/gsm8k", "12", "12") == 0.0  # strict
+    assert default_compute_score("flatrl/toy", "7+8=15, carry 1\n4+3+1=8\n#### 85", "85") == 1.0
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
+        assert default_compute_score(source, r"\boxed{\dfrac{1}{2}}", "0.5") == 1.0
+    for source in ("countdown", "countdown-3to4"):
+        assert default_compute_score(source, "<answer>25+5+3</answer>", GT) == 0.1
+    with pytest.raises(ValueError, match=r"'my/dataset'.*openai/gsm8k"):
+        default_compute_score("my/dataset", "#### 1", "1")
+
+
+# ---------------------------------------------------------------- custom functions
+
+REWARDS_PY = """
+import sys
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == ground_truth), "length": len(solution_str), "pred": solution_str}
+
+
+def plain(prompt, response):
+    return float(len(response) > len(prompt))
+
+
+def positional(a, b, c):
+    return 1.0 if b == c else 0.0
+
+
+def keywords(solution_str, ground_truth, **kwargs):
+    return float(kwargs["data_source"] == "x" and kwargs["extra_info"] == {"i": 1})
+
+
+def no_torch(prompt, response):
+    return float("torch" not in sys.modules and "vllm" not in sys.modules)
+
+
+def mixed(prompt, response):
+    kind, _, value = response.partition(":")
+    if kind == "raise":
+        raise RuntimeError("boom")
+    if kind == "slow":
+        time.sleep(30)
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "print":
+        print("hello from a reward function")
+    return {"str": "1.0", "none": None, "nan": float("nan"), "inf": float("inf")}.get(kind, float(value or 0))
+
+
+def with_dict(prompt, response):
+    return {"score": 0.5, "acc": float(response == "a"), "tag": "ignored"}
+
+
+def bad_dict(prompt, response):
+    return {"acc": 1.0}
+
+not_a_function = 3
+"""
+
+
+@pytest.fixture
+def rewards_py(tmp_path: Path) -> str:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(textwrap.dedent(REWARDS_PY))
+    return str(path)
+
+
+def _item(response: str, prompt: str = "q", ground_truth="1", data_source: str = "x", extra_info=None) -> dict:
+    return {
+        "data_source": data_source,
+        "prompt": prompt,
+        "response": response,
+        "ground_truth": ground_truth,
+        "extra_info": extra_info if extra_info is not None else {"i": 1},
+    }
+
+
+def test_load_and_adapt_both_signatures(rewards_py):
+    verl = adapt_reward_fn(load_reward_fn(rewards_py, None))  # default name: compute_score
+    assert verl(_item(" 1 ")) == {"score": 1.0, "length": 3, "pred": " 1 "}
+    assert verl(_item("2"))["score"] == 0.0
+    plain = adapt_reward_fn(load_reward_fn(rewards_py, "plain"))
+    assert plain(_item("long answer", prompt="q")) == 1.0
+    assert plain(_item("a", prompt="a long question")) == 0.0
+    positional = adapt_reward_fn(load_reward_fn(rewards_py, "positional"))  # (data_source, response, gt)
+    assert positional(_item("1", ground_truth="1")) == 1.0
+    assert positional(_item("2", ground_truth="1")) == 0.0
+    assert adapt_reward_fn(load_reward_fn(rewards_py, "keywords"))(_item("1")) == 1.0
+    assert adapt_reward_fn(lambda q, r: float(r.startswith(q)))(_item("q!", prompt="q")) == 1.0
+    default = adapt_reward_fn(load_reward_fn(None, None))
+    assert default(_item("#### 3", data_source="openai/gsm8k", ground_truth="3")) == 1.0
+    with pytest.raises(TypeError, match="neither"):
+        adapt_reward_fn(lambda x: x)
+
+
+def test_load_reward_fn_errors(rewards_py, tmp_path):
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_reward_fn(missing, "f")
+    with pytest.raises(AttributeError, match=r"my_rewards\.py.*'absent'"):
+        load_reward_fn(rewards_py, "absent")
+    with pytest.raises(TypeError, match="not_a_function"):
+        load_reward_fn(rewards_py, "not_a_function")
+    with pytest.raises(ValueError, match="without a path"):
+        load_reward_fn(None, "plain")
+
+
+# ---------------------------------------------------------------- the pool
+
+MIXED = ["ok:1", "raise", "ok:0.5", "slow", "str", "print", "nan", "none", "inf", "exit", "ok:2", "slow"]
+MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 2.0, 0]
+
+
+def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
+    start = time.perf_counter()
+    with RewardPool((rewards_py, "mixed"), num_workers=2, timeout_s=1.0) as pool:
+        rewards, metrics = pool.score([_item(r) for r in MIXED])
+        assert rewards == MIXED_REWARDS
+        assert metrics == {
+            "reward/errors": 9.0,
+            "reward/errors_timeout": 2.0,
+            "reward/errors_exception": 2.0,  # raise, sys.exit
+            "reward/errors_bad_type": 4.0,  # str, nan, None, inf
+            "reward/errors_print": 1.0,
+        }
+        assert len(pool.last_errors) == 9 and any("boom" in m for m in pool.last_errors)
+        # the killed workers were replaced: the pool still scores, with no errors left over
+        rewards, metrics = pool.score([_item(f"ok:{i}") for i in range(6)])
+        assert rewards == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and metrics["reward/errors"] == 0.0
+    elapsed = time.perf_counter() - start
+    assert elapsed < 8.0, elapsed  # two 30 s sleeps were cut at 1 s each
+    assert "hello from a reward function" not in capfd.readouterr().out
+
+
+def test_pool_in_process_mode(rewards_py, capfd):
+    items = [_item(r) for r in MIXED if r != "slow"]
+    with RewardPool((rewards_py, "mixed"), num_workers=0) as pool:
+        rewards, metrics = pool.score(items)
+    assert rewards == [r for r, k in zip(MIXED_REWARDS, MIXED, strict=True) if k != "slow"]
+    assert metrics["reward/errors"] == 7.0 and metrics["reward/errors_timeout"] == 0.0
+    assert metrics["reward/errors_exception"] == 2.0 and metrics["reward/errors_print"] == 1.0
+    assert "hello from a reward function" not in capfd.readouterr().out
+
+
+def test_pool_dict_extras_default_dispatch_and_options(rewards_py):
+    with RewardPool((rewards_py, "with_dict"), num_workers=1) as pool:
+        rewards, metrics = pool.score([_item("a"), _item("b"), _item("a"), _item("c")])
+    assert rewards == [0.5] * 4 and metrics["reward/acc"] == 0.5 and "reward/tag" not in metrics
+    with RewardPool((rewards_py, "bad_dict"), num_workers=0) as pool:
+        assert pool.score([_item("a")])[1]["reward/errors_bad_type"] == 1.0
+    with RewardPool((rewards_py, "mixed"), num_workers=1, print_is_error=False) as pool:
+        assert pool.score([_item("print:3")]) == ([3.0], pool.score([_item("ok:1")])[1])
+    items = [
+        _item("#### 5", data_source="openai/gsm8k", ground_truth="5"),
+        _item(r"\boxed{5}", data_source="HuggingFaceH4/MATH-500", ground_truth="5"),
+        _item("<answer>(25-5)*3</answer>", data_source="countdown", ground_truth=GT),
+        _item("#### 5", data_source="unknown/source", ground_truth="5"),
+    ]
+    with RewardPool(None, num_workers=2) as pool:
+        rewards, metrics = pool.score(items)
+    assert rewards == [1.0, 1.0, 1.0, 0.0] and metrics["reward/errors_exception"] == 1.0
+    assert "unknown/source" in pool.last_errors[0]
+
+
+def test_pool_workers_do_not_import_torch(rewards_py):
+    with RewardPool((rewards_py, "no_torch"), num_workers=1) as pool:
+        assert pool.score([_item("x")])[0] == [1.0]
+
+
+def test_pool_bad_spec_raises_at_construction(rewards_py, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        RewardPool((str(tmp_path / "nope.py"), "f"), num_workers=2)
+    with pytest.raises(ValueError, match=r"my_rewards\.py.*'absent'"):
+        RewardPool((rewards_py, "absent"), num_workers=2)
+    with pytest.raises(AttributeError, match="absent"):
+        RewardPool((rewards_py, "absent"), num_workers=0)
