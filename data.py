@@ -1,40 +1,39 @@
 """Data for flatrl: rows from files, token ids and loss masks, batches, and the model's input tensors.
 
-sft.py uses SFTDataset, grpo.py / ppo.py use RLDataset; all use EpochSampler, split_for_rank, micro_batches and
+sft.py uses SFTDataset, grpo.py / ppo.py RLDataset; all use EpochSampler, split_for_rank, micro_batches and
 one of the two collation layouts.
 
-1. `load_rows(paths)`: parquet (pyarrow) or JSON lines (.jsonl .json .jsonlines .json-lines .ndjson), files
-   concatenated in order, `~` expanded. Each row is a `Row` (a dict) whose `.origin` ("FILE row I", plus the
-   line for JSON lines) starts every error about it. A missing, unreadable or empty file is a ValueError.
-2. `SFTDataset`: prompt/response string rows or `messages` chat rows -> {"input_ids", "loss_mask", "origin"}.
-   loss_mask[t] == 1 marks input_ids[t] as a target, predicted from positions < t (`shift_labels`). Targets are
-   each assistant turn's content plus its eos (Qwen's <|im_end|>); the turn header and the template's text after
-   eos are context. Boundaries come from rendering prefixes of the conversation and tokenising each rendered
-   segment on its own; a template whose prefix rendering is not a prefix of the next is an error.
-3. `RLDataset`: verl's RL schema (`data_source`, `prompt` as chat messages or a string column, `reward_model:
-   {style, ground_truth}`, `extra_info`) -> {"prompt_ids", "raw_prompt", "data_source", "ground_truth",
-   "extra_info", "origin"}.
+1. `load_rows`: parquet or JSON lines, files concatenated, `~` expanded; each `Row` (a dict) keeps `.origin`
+   ("FILE row I (line L)"), which starts every error about it. Missing/unreadable/empty files are errors.
+2. `SFTDataset`: prompt/response rows or `messages` chat rows -> {"input_ids", "loss_mask", "origin"}, where
+   loss_mask[t] == 1 marks input_ids[t] as a target predicted from positions < t (`shift_labels`). Targets are
+   each assistant turn's content plus its eos (Qwen's <|im_end|>); the turn header and the template's text
+   after eos are context. Boundaries come from rendering prefixes of the conversation and tokenising each
+   rendered segment on its own; a template whose prefix rendering is not a prefix of the next is an error.
+3. `RLDataset`: verl's RL schema (`data_source`, `prompt` as chat messages or a string column,
+   `reward_model: {style, ground_truth}`, `extra_info`) -> {"prompt_ids", "raw_prompt", "data_source",
+   "ground_truth", "extra_info", "origin"}.
 4. `EpochSampler`: a seeded permutation per epoch cut into global batches, resumable from {epoch, batch};
-   `split_for_rank` gives each rank its share; `micro_batches` cuts the share by count or by token budget.
-5. `pad_batch`: right-padded [B, T] with a 2-D mask. `pack_batch`: padding-free [1, N], position ids restarting
-   per sequence, and a 4-D block-diagonal causal mask [1, 1, N, N], which transformers 5.19 uses as given
-   (masking_utils._preprocess_mask_arguments). Pass the bool form (True = attend) to attn_implementation="sdpa"
-   and the float additive form (mask_dtype=torch.float32) to "eager", which adds the mask to the scores: a
-   bool mask there is silently wrong (max logprob error 0.28 on the test model). This N x N mask is the
-   portable CPU path: O(N^2) memory (N = 8192 is 64 MiB as bool) and no kernel skips masked blocks; a
-   flex-attention / flash varlen path driven by `cu_seqlens` is the GPU path to add later. Measured on the
-   2-layer test model: packed and padded per-token logprobs agree to 0.0 (sdpa bool, eager float). Position ids
-   alone (attention_mask=None) are 0.30 off with the default use_cache=True, because transformers skips its
-   packed-sequence detection when a cache exists, and also 0.0 off with use_cache=False.
+   `split_for_rank` gives each rank its share; `micro_batches` cuts a share by count or by token budget.
+5. `pad_batch`: right-padded [B, T]. `pack_batch`: padding-free [1, N] with position ids restarting per
+   sequence and a 4-D block-diagonal causal mask [1, 1, N, N], which transformers 5.19 uses as given
+   (masking_utils._preprocess_mask_arguments): bool (True = attend) for attn_implementation="sdpa", the float
+   additive form (mask_dtype=torch.float32) for "eager", which adds the mask to the scores (a bool mask there
+   is silently wrong: 0.28 max logprob error on the test model). The N x N mask is the portable CPU path:
+   O(N^2) memory (64 MiB as bool at N = 8192) and no kernel skips masked blocks; a flex-attention / flash
+   varlen path driven by `cu_seqlens` is the GPU path to add later. Measured on the test model, packed and
+   padded logprobs agree exactly (sdpa bool, eager float). Position ids alone (attention_mask=None) are 0.30
+   off under the default use_cache=True (transformers skips its packed-sequence detection when a cache
+   exists) and exact with use_cache=False.
 
 Deviations from verl:
 1. verl's SFT loss mask is aligned with the logits (position t predicts t + 1); ours with the tokens.
 2. verl masks whole assistant messages in multi-turn SFT; we mask content + eos, not the header or the "\\n"
-   after eos, i.e. exactly what the policy generates at RL time. Context after the last target is dropped.
-3. verl left-pads RL prompts to max_prompt_length in the dataset; we keep id lists (vLLM takes lists) and only
-   filter or reject overlong prompts, never truncate them.
-4. verl shuffles with one torch.Generator across epochs and resumes through a stateful dataloader; we reseed
-   with seed + epoch, so {epoch, batch} is the whole resume state.
+   after eos: exactly what the policy generates at RL time. Context after the last target is dropped.
+3. verl left-pads RL prompts in the dataset; we keep id lists (vLLM takes lists) and filter or reject
+   overlong prompts, never truncate them.
+4. verl shuffles with one torch.Generator across epochs and resumes a stateful dataloader; we reseed with
+   seed + epoch, so {epoch, batch} is the whole resume state.
 """
 
 from __future__ import annotations
@@ -137,14 +136,10 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _check_messages(row: Row, key: str) -> list[dict]:
     msgs = row[key]
     if not isinstance(msgs, list) or not msgs:
-        raise BadRow(
-            row, key, "bad_messages", f"want a non-empty list of {{role, content}}, got {msgs!r:.80}"
-        )
+        raise BadRow(row, key, "bad_messages", f"want a list of {{role, content}}, got {msgs!r:.60}")
     for j, m in enumerate(msgs):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise BadRow(
-                row, key, "bad_messages", f"message {j} is not {{role: str, content: str}}: {m!r:.80}"
-            )
+            raise BadRow(row, key, "bad_messages", f"message {j} is not {{role, content}}: {m!r:.60}")
         if m["role"] == "assistant" and not m["content"]:
             raise BadRow(row, key, "empty_response", f"assistant message {j} is empty")
     if not any(m["role"] == "assistant" for m in msgs):
@@ -165,12 +160,10 @@ def conversation_tokens(tokenizer, messages: list[dict], row: Row, key: str) -> 
     prev = ""
     for i, m in enumerate(messages):
         text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        head = (
-            _render(tokenizer, messages[:i], add_generation_prompt=True) if m["role"] == "assistant" else text
-        )
+        head = _render(tokenizer, messages[:i], True) if m["role"] == "assistant" else text
         if not (head.startswith(prev) and text.startswith(head)):
             raise BadRow(
-                row, key, "template_not_prefix", f"rendering up to turn {i} does not extend turn {i - 1}'s"
+                row, key, "template_not_prefix", f"rendering turns 0..{i} does not extend 0..{i - 1}"
             )
         ctx = _encode(tokenizer, head[len(prev) :])
         seg = _encode(tokenizer, text[len(head) :])  # assistant content + end of turn; empty for other roles
@@ -207,7 +200,7 @@ class SFTDataset(_Examples):
         skip_bad_rows: skip and count unusable rows instead of raising.
     Attributes:
         examples: [{"input_ids": list[int], "loss_mask": list[int], "origin": str}]; lengths: tokens of each.
-        skipped: {reason: count}; truncated: how many examples were cut to max_length.
+        skipped: {reason: count}; truncated: how many examples were cut to max_length; pad_id: for pad_batch.
     """
 
     def __init__(
@@ -227,6 +220,8 @@ class SFTDataset(_Examples):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; SFT targets end with eos")
         self.tok, self.prompt_key, self.response_key = tokenizer, prompt_key, response_key
+        # Any id works for padding (attention and loss masks exclude it); eos when the tokenizer has no pad.
+        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         self.messages_key, self.apply_chat_template = messages_key, apply_chat_template
         self.max_length, self.truncation = max_length, truncation
         self.skipped: dict[str, int] = {}
@@ -270,15 +265,11 @@ class SFTDataset(_Examples):
         if len(ids) > self.max_length:
             if self.truncation == "error":
                 raise BadRow(row, key, "too_long", f"{len(ids)} tokens > max_length {self.max_length}")
-            cut = (
-                slice(None, self.max_length) if self.truncation == "right" else slice(-self.max_length, None)
-            )
-            ids, mask = ids[cut], mask[cut]
+            L = self.max_length
+            ids, mask = (ids[:L], mask[:L]) if self.truncation == "right" else (ids[-L:], mask[-L:])
             self.truncated += 1
         if not any(mask[1:]):  # token 0 has no context, so it is never predicted
-            raise BadRow(
-                row, key, "truncated_away", f"no target token left after {self.truncation} truncation"
-            )
+            raise BadRow(row, key, "truncated_away", f"no target left after {self.truncation} truncation")
         return {"input_ids": ids, "loss_mask": mask, "origin": row.origin}
 
 
@@ -309,24 +300,15 @@ class RLDataset(_Examples):
         self.examples = []
         for row in load_rows(paths):
             prompt, rm = row.get(prompt_key), row.get("reward_model")
-            if isinstance(prompt, str):
-                chat = [{"role": "user", "content": prompt}]
-            elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-                chat = prompt
-                if not apply_chat_template:
-                    raise ValueError(
-                        f"{row.origin}: key {prompt_key!r}: chat messages need apply_chat_template"
-                    )
-            else:
-                raise ValueError(
-                    f"{row.origin}: key {prompt_key!r}: want a string or chat messages: {prompt!r:.80}"
-                )
+            is_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
+            if not (isinstance(prompt, str) or (is_chat and apply_chat_template)):
+                what = "chat messages (with apply_chat_template)" if apply_chat_template else "a string"
+                raise ValueError(f"{row.origin}: key {prompt_key!r}: want {what}, got {prompt!r:.60}")
             if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-                raise ValueError(
-                    f"{row.origin}: key 'reward_model.ground_truth' missing (reward_model={rm!r:.80})"
-                )
+                raise ValueError(f"{row.origin}: key 'reward_model.ground_truth' missing ({rm!r:.60})")
             if row.get("data_source") is None:
-                raise ValueError(f"{row.origin}: key 'data_source' missing (reward functions dispatch on it)")
+                raise ValueError(f"{row.origin}: key 'data_source' missing (rewards dispatch on it)")
+            chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             raw = _render(tokenizer, chat, add_generation_prompt=True) if apply_chat_template else prompt
             ids = _encode(tokenizer, raw)
             if len(ids) > max_prompt_length and filter_overlong_prompts:
@@ -394,14 +376,12 @@ def _greedy(
     bins: list[list[int]] = [[] for _ in range(k)]
     loads = [0] * k
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if budget is None:
-            b = min(
-                (b for b in range(k) if sizes is None or len(bins[b]) < sizes[b]), key=lambda b: (loads[b], b)
-            )
-        elif (
-            b := next((b for b in range(k) if not bins[b] or loads[b] + lengths[i] <= budget), None)
-        ) is None:
-            return None
+        room = [b for b in range(k) if sizes is None or len(bins[b]) < sizes[b]]
+        if budget is not None:
+            room = [b for b in room if not bins[b] or loads[b] + lengths[i] <= budget][:1]
+            if not room:
+                return None
+        b = min(room, key=lambda b: (loads[b], b))
         bins[b].append(i)
         loads[b] += lengths[i]
     return bins
@@ -454,9 +434,8 @@ def micro_batches(
         if math.ceil(n / micro_batch_size) >= min_num:
             return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
         k = min(min_num, n)  # split further, evenly
-        return [list(range(b * n // k, (b + 1) * n // k)) for b in range(k)] + [
-            [] for _ in range(min_num - k)
-        ]
+        chunks = [list(range(b * n // k, (b + 1) * n // k)) for b in range(k)]
+        return chunks + [[] for _ in range(min_num - k)]
     # Lower bound on the count: one bin per oversize sequence, the rest at a full budget each.
     over = [x for x in lengths if x > max_token_len]
     k = min(n, max(len(over) + math.ceil((sum(lengths) - sum(over)) / max_token_len), min_num))
@@ -468,7 +447,11 @@ def micro_batches(
 
 
 def _check_pairs(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]]) -> None:
-    if len(seqs) != len(masks) or not seqs or any(len(s) != len(m) or not s for s, m in zip(seqs, masks)):
+    if (
+        len(seqs) != len(masks)
+        or not seqs
+        or any(len(s) != len(m) or not s for s, m in zip(seqs, masks, strict=True))
+    ):
         raise ValueError("seqs and masks must pair up, each pair non-empty and of equal length")
 
 

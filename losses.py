@@ -300,3 +300,29 @@ def token_logprobs_and_entropy_from_hidden(
     rows, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     lp, ent = _ChunkedTokenStats.apply(rows, weight, flat_labels, chunk_size, with_entropy, temperature)
     return lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The model's per-token logprob of `labels` (and entropy) on a collated batch, padded or packed.
+
+    Args:
+        batch: input_ids, attention_mask, position_ids as data.pad_batch / data.pack_batch make them.
+        labels: [B, T] next-token ids (data.shift_labels).
+    Returns:
+        (logprobs [B, T] of softmax(logits / temperature), entropy [B, T] or None, raw_logprobs [B, T] at
+        temperature 1 — what vLLM reports, for the weight-push check; the first tensor when temperature is 1).
+        All fp32; callers mask them with their label mask.
+    """
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits  # [B, T, V]
+    lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
+    raw = lp if temperature == 1.0 else token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
+    return lp, ent, raw

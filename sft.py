@@ -21,7 +21,6 @@ Where it deviates from verl's fsdp_sft_trainer:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import data
 import fsdp
 import log
 import losses
+import optim
 
 
 @dataclass(frozen=True)
@@ -95,21 +95,17 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with warmup and a cosine or constant schedule."""
+class SFTOptimConfig(optim.OptimConfig):
+    """AdamW with warmup then cosine (verl's SFT defaults), and gradient clipping."""
 
     lr: float = 1e-5
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
     warmup_steps_ratio: float = 0.1
     """Fraction of the total steps spent warming the learning rate up linearly from 0."""
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
     """Schedule after warmup."""
-    min_lr_ratio: float = 0.1
-    """Cosine floor as a fraction of `lr`."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (the norm before clipping is logged as train/grad_norm)."""
 
@@ -150,28 +146,14 @@ class SFTConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-
-def lr_lambda(step: int, total: int, cfg: OptimConfig) -> float:
-    """Linear warmup to 1, then cosine to min_lr_ratio (or constant)."""
-    warmup = int(cfg.warmup_steps_ratio * total)
-    if step < warmup:
-        return (step + 1) / warmup
-    if cfg.lr_scheduler == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def response_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed NLL of the response tokens in one micro-batch (padded or packed layout) and their count."""
-    out = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    )
     labels, mask = data.shift_labels(batch)  # [B, T] next token and whether it is trained on
-    logprobs = losses.token_logprobs(out.logits, labels)  # [B, T], chunked over rows: no fp32 [B, T, V]
+    logprobs, _, _ = losses.forward_logprobs(model, batch, labels)  # [B, T], chunked: no fp32 [B, T, V]
     return -(logprobs * mask).sum(), int(mask.sum())
 
 
@@ -187,7 +169,9 @@ def make_micro_batches(
         groups = data.micro_batches(mine_lengths, max_token_len=cfg.max_token_len_per_gpu)
     else:
         groups = data.micro_batches(mine_lengths, micro_batch_size=cfg.micro_batch_size_per_gpu)
-    n = int(fsdp.all_reduce(len(groups), "max"))  # FSDP collectives need the same number of passes on every rank
+    n = int(
+        fsdp.all_reduce(len(groups), "max")
+    )  # FSDP collectives need the same number of passes on every rank
     groups = data.micro_batches(
         mine_lengths,
         micro_batch_size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
@@ -213,7 +197,9 @@ def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device
     indices = list(range(len(ds)))
     step = cfg.data.train_batch_size
     for start in range(0, len(indices), step):
-        for b in make_micro_batches(ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device):
+        for b in make_micro_batches(
+            ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device
+        ):
             s, n = response_nll(model, b)
             nll += s.double().cpu()
             n_tok += n
@@ -267,14 +253,9 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         config=model.config, generation_config=model.generation_config, tokenizer=tokenizer, lora=lora_info
     )
     model = fsdp.shard_model(model, d.device, cfg.model.fsdp_config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay, fused=False
-    )
-
     sampler = data.EpochSampler(len(train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, total_steps, cfg.optim))
+    optimizer, scheduler = optim.build(model.parameters(), cfg.optim, total_steps)
 
     step, results = 0, {}
     resume = fsdp.resolve_resume(run_dir, cfg.trainer.resume_mode)
@@ -315,7 +296,11 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     it = iter(sampler)
     while step < total_steps:
         t0 = time.perf_counter()
-        indices = next(it)
+        try:
+            indices = next(it)
+        except StopIteration:  # the sampler moved on to the next epoch
+            it = iter(sampler)
+            indices = next(it)
         batches = make_micro_batches(train_ds, indices, cfg.data, cfg.model.use_remove_padding, d.device)
         local_tokens = sum(int(data.shift_labels(b)[1].sum()) for b in batches)
         global_tokens = fsdp.all_reduce(local_tokens)
@@ -333,7 +318,12 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         scheduler.step()
         step += 1
         elapsed = time.perf_counter() - t0
-        seen = fsdp.all_reduce(sum(int((b["position_ids"] >= 0).sum()) for b in batches))
+        seen = fsdp.all_reduce(
+            sum(
+                int(b["loss_mask"].numel() if "cu_seqlens" in b else b["attention_mask"].sum())
+                for b in batches
+            )
+        )
         metrics = {
             "train/loss": fsdp.all_reduce(nll_sum) / global_tokens,
             "train/grad_norm": grad_norm,

@@ -25,8 +25,7 @@ CHAT_TEMPLATE = (
 EOS = "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def tok():
+def make_tok(chat_template=CHAT_TEMPLATE):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -38,8 +37,13 @@ def tok():
     corpus = ["What is 12 + 34? The answer is 46.", "Hello world, you are a helpful assistant."] * 4
     bpe.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=EOS, pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=bpe, eos_token=EOS, pad_token="<|endoftext|>", chat_template=chat_template
     )
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tok()
 
 
 def enc(tok, text):
@@ -67,8 +71,8 @@ def masked_runs(ids, mask):
 
 
 def test_load_parquet_and_jsonl_concatenated(tmp_path, monkeypatch):
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]),
-                   tmp_path / "x.parquet")  # fmt: skip
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "x.parquet")
     (tmp_path / "y.jsonl").write_text(
         '{"prompt": "e", "response": "f"}\n\n{"prompt": "g", "response": "h"}\n'
     )
@@ -136,6 +140,20 @@ def test_multiturn_masks_only_assistant_turns(tok, tmp_path):
     assert n_context == len(enc(tok, full)) - 1 - len(enc(tok, "46")) - len(enc(tok, "Hello world.")) - 2
 
 
+def test_template_that_rewrites_earlier_turns_is_an_error(tmp_path):
+    # Like Qwen3's template dropping earlier reasoning: an assistant turn renders differently once it is
+    # not the last message, so token boundaries found from prefixes would be wrong.
+    rewriting = CHAT_TEMPLATE.replace("m['content']", "(m['content'] if loop.last else m['content'][:1])")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": msgs + msgs}])
+    with pytest.raises(
+        ValueError, match="chat.jsonl row 0 \\(line 1\\): key 'messages': template_not_prefix"
+    ):
+        data.SFTDataset(str(path), make_tok(rewriting))
+    with pytest.raises(ValueError, match="need apply_chat_template"):
+        data.SFTDataset(str(path), make_tok(), apply_chat_template=False)
+
+
 BAD_ROWS = [
     ({"prompt": "What is 12?"}, "response", "missing_key"),
     ({"prompt": "What is 12?", "response": ""}, "response", "empty_response"),
@@ -158,8 +176,8 @@ def test_skip_bad_rows_counts_reasons(tok, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [good] + [b for b, _, _ in BAD_ROWS] + [good])
     ds = data.SFTDataset(str(path), tok, skip_bad_rows=True)
     assert len(ds) == 2
-    assert ds.skipped == {"missing_key": 2, "empty_response": 1, "not_a_string": 1, "no_assistant_turn": 1,
-                          "bad_messages": 1}  # fmt: skip
+    expected = {"missing_key": 2, "empty_response": 1, "not_a_string": 1, "no_assistant_turn": 1}
+    assert ds.skipped == expected | {"bad_messages": 1}
 
 
 def test_truncation_left_right_error(tok, tmp_path):
@@ -215,6 +233,8 @@ def test_rl_dataset_verl_schema(tok, tmp_path):
         tmp_path / "q.jsonl", [{"data_source": "gsm8k", "question": "What is 1?", "reward_model": rm}]
     )
     plain = data.RLDataset(str(q), tok, prompt_key="question", apply_chat_template=False)[0]
+    with pytest.raises(ValueError, match="rl.parquet row 0: key 'prompt': want a string"):
+        data.RLDataset(str(tmp_path / "rl.parquet"), tok, apply_chat_template=False)
     assert plain["raw_prompt"] == "What is 1?" and plain["prompt_ids"] == enc(tok, "What is 1?")
     bad = write_jsonl(
         tmp_path / "nogt.jsonl", [rows[0] | {"prompt": "x"}, {"data_source": "t", "prompt": "x"}]
@@ -306,40 +326,47 @@ def test_pack_and_shift_layout_by_hand():
     assert f[0, 0] == 0 and f[0, 1] == torch.finfo(torch.float32).min
 
 
-def _token_logprobs(model, batch):
-    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    logits = model(**kwargs).logits.float()  # [B, T, V]
+def _token_logprobs(model, batch, **kwargs):
+    """Per-token logprobs of each sequence's targets, as a list of 1-D tensors, and the summed NLL."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")} | kwargs
+    logits = model(**inputs, use_cache=False).logits.float()  # [B, T, V]
     labels, label_mask = data.shift_labels(batch)
     logprobs = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # [B, T]
-    return logprobs, label_mask
+    per_seq = data.split_sequences(logprobs, batch)
+    per_seq = [lp[m.bool()] for lp, m in zip(per_seq, data.split_sequences(label_mask, batch), strict=True)]
+    return per_seq, -(logprobs.double() * label_mask).sum().item()
 
 
 @pytest.mark.parametrize("attn,mask_dtype", [("sdpa", torch.bool), ("eager", torch.float32)])
 def test_packed_logprobs_match_padded(tok, tmp_path, attn, mask_dtype):
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     cfg._attn_implementation = attn
     model = Qwen2ForCausalLM(cfg).eval()
     rows = [{"prompt": "What is 12 + 34?" * k, "response": "The answer is 46." * k} for k in (1, 2, 3)]
-    rows.append(
-        {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "world"}]}
-    )
+    rows.append({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
     ds = data.SFTDataset(str(write_jsonl(tmp_path / "mix.jsonl", rows)), tok)
     seqs, masks = [e["input_ids"] for e in ds], [e["loss_mask"] for e in ds]
     assert len(set(map(len, seqs))) == 4  # different lengths, so padding and packing differ
 
     with torch.no_grad():
-        padded = data.pad_batch(seqs, masks, pad_id=tok.pad_token_id)
-        lp_pad, m_pad = _token_logprobs(model, padded)
+        padded = data.pad_batch(seqs, masks, pad_id=ds.pad_id)
+        lp_pad, nll_pad = _token_logprobs(model, padded)
         packed = data.pack_batch(seqs, masks, mask_dtype=mask_dtype)
-        lp_pack, m_pack = _token_logprobs(model, packed)
-    per_seq_pad = [lp[m.bool()] for lp, m in zip(data.split_sequences(lp_pad, padded),
-                                                   data.split_sequences(m_pad, padded), strict=True)]  # fmt: skip
-    per_seq_pack = [lp[m.bool()] for lp, m in zip(data.split_sequences(lp_pack, packed),
-                                                    data.split_sequences(m_pack, packed), strict=True)]  # fmt: skip
-    assert [len(x) for x in per_seq_pad] == [sum(m[1:]) for m in masks]
-    diff = max((a - b).abs().max().item() for a, b in zip(per_seq_pad, per_seq_pack, strict=True))
+        lp_pack, nll_pack = _token_logprobs(model, packed)
+        # transformers' own packed-sequence detection from position ids (needs use_cache=False, no mask)
+        lp_pos, nll_pos = _token_logprobs(model, packed, attention_mask=None)
+    assert ds.pad_id == tok.pad_token_id and [len(x) for x in lp_pad] == [sum(m[1:]) for m in masks]
+    diff = max((a - b).abs().max().item() for a, b in zip(lp_pad, lp_pack, strict=True))
     assert diff < 1e-4, diff
-    nll_pad, nll_pack = -(lp_pad * m_pad).sum().item(), -(lp_pack * m_pack).sum().item()
-    assert nll_pad > 1.0 and abs(nll_pad - nll_pack) < 1e-4 * max(1.0, abs(nll_pad)), (nll_pad, nll_pack)
+    assert nll_pad > 1.0 and abs(nll_pad - nll_pack) < 1e-4, (nll_pad, nll_pack)
+    diff_pos = max((a - b).abs().max().item() for a, b in zip(lp_pad, lp_pos, strict=True))
+    assert diff_pos < 1e-4 and abs(nll_pad - nll_pos) < 1e-4, (diff_pos, nll_pos)

