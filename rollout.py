@@ -273,12 +273,19 @@ def _choose_push_method(worker: Any) -> str:
     )
 
 
-def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]], tied: bool) -> None:
     """Runs inside the vLLM worker: streams `weights` into the model with the method chosen at start."""
+    model = worker.model_runner.model
     if method == "load_weights":
-        worker.model_runner.model.load_weights(weights)
+        model.load_weights(weights)
     else:
         worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    head = getattr(model, "lm_head", None)
+    if tied and head is not None and hasattr(head, "quant_method"):
+        # A tied lm_head shares the embedding's Parameter but receives no tensor of its own, so its post-load
+        # step never reruns: on CPU that step packs the weight for oneDNN, and logits came from the OLD
+        # embedding (measured: 1.4 nats off after a push that changed it). Rerun it; a no-op on CUDA.
+        head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMEngine:
@@ -345,8 +352,9 @@ class VLLMEngine:
         set_threads(threads)
         self.push_method: str = self._rpc("choose push method", _choose_push_method)
         self.expected_names = _checkpoint_names(model_path)
-        if getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False):
-            self.expected_names.discard("lm_head.weight")  # vLLM's lm_head is the embedding: it follows
+        self.tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        if self.tied:
+            self.expected_names.discard("lm_head.weight")  # vLLM's lm_head is the embedding (see _push)
         self.asleep = False
         self.weights_lost = False  # True after a level-2 sleep until the next push
         print0(f"rollout: vLLM engine ready (push via {self.push_method}, sleep {self.sleep_enabled})")
@@ -401,7 +409,7 @@ class VLLMEngine:
                 seen.add(name)
                 yield name, tensor
 
-        self._rpc("push_weights", _push, self.push_method, tracked())
+        self._rpc("push_weights", _push, self.push_method, tracked(), self.tied)
         missing = self.expected_names - seen
         if missing:
             raise ValueError(

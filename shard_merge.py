@@ -1,39 +1,34 @@
-"""Checkpoint -> Hugging Face model folder that transformers and vLLM load (offline, one process, no process group).
+"""Checkpoint -> Hugging Face model folder that transformers and vLLM load; offline, one process, no PG.
 
-    python shard_merge.py --ckpt-dir runs/x/global_step_100 --out runs/x/hf_step_100 \\
-        [--max-shard-size 5GB] [--dtype auto|float32|bfloat16|float16] [--adapter-only] [--verify] \\
-        [--component actor|critic] [--force]
+    python shard_merge.py --ckpt-dir runs/x/global_step_100 --out runs/x/hf_100 [--max-shard-size 5GB]
+        [--dtype auto|float32|bfloat16|float16] [--adapter-only] [--verify] [--component actor|critic]
 
-Reads either layout:
-- flatrl (fsdp.py): `model/` is a torch.distributed.checkpoint (DCP) of the model state dict under Hugging Face
-  key names, `huggingface/` the config, tokenizer and, with LoRA, `lora.json`. `--component critic` reads
-  `critic/model/` and `critic/huggingface/` instead.
-- verl FSDP: `model_world_size_{W}_rank_{R}.pt` for R in 0..W-1 (in the folder itself or under `actor/` /
-  `critic/`), `fsdp_config.json` and `huggingface/`. Each file holds one rank's shard: DTensors (placements
-  Shard or Replicate per mesh dim; Shard shards are concatenated in mesh order, Replicate takes coordinate 0)
-  or plain tensors (concatenated on dim 0, what verl's own merger does).
+Reads flatrl's layout (fsdp.py): `model/`, a torch.distributed.checkpoint (DCP) of the state dict under
+Hugging Face names, and `huggingface/` (config, tokenizer, `lora.json` with LoRA); `--component critic` reads
+`critic/model/` and `critic/huggingface/`. Or verl's FSDP layout: `model_world_size_{W}_rank_{R}.pt` (in the
+folder or under `actor/`), `fsdp_config.json`, `huggingface/`; DTensor pieces are joined by their placements
+(Shard: concatenated in mesh order; Replicate: the mesh origin's), plain tensors on dim 0 as verl's merger
+does.
 
-Writes config.json (dtype set to the written dtype, architectures filled in), generation_config.json and the
-tokenizer files copied from huggingface/, and safetensors shards of at most --max-shard-size each
-(`model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`). Tensors are read
-one output shard at a time, so RAM holds one shard (plus its fp32 source), never two copies of the model. With
-LoRA the adapters are merged into the base weights (lora.merge_lora_state_dict); `--adapter-only` writes just
-the PEFT adapter (adapter_config.json + adapter_model.safetensors). Tied embeddings stay tied: the alias
-(`lm_head.weight`) is dropped after checking it equals the weight it is tied to. The output is assembled in a
-hidden sibling folder and renamed into place, so an interrupted merge never leaves a folder that looks complete.
+Writes config.json (dtype = the written dtype; architectures filled in, vLLM needs it), the other huggingface/
+files, and safetensors shards of at most --max-shard-size (`model.safetensors`, or
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`). Tensors are read one output shard at a
+time, so RAM never holds the model twice. LoRA is merged (lora.merge_lora_state_dict); `--adapter-only` writes
+the PEFT adapter instead. Tied embeddings stay tied: the alias (`lm_head.weight`) is dropped once checked
+equal to its target. The folder is assembled as a hidden sibling and renamed into place, so `--out` is never
+half-written.
 
-`--verify` rebuilds the model from the checkpoint (LoRA applied unmerged via lora.apply_lora), loads the merged
-folder with from_pretrained in fp32, runs both on a fixed probe batch and exits non-zero if the largest absolute
-logit difference exceeds --verify-tolerance (default by output dtype: 1e-4 for float32; for bfloat16/float16
-the weights themselves are rounded, 8/11 significant bits, and that error compounds over layers, so the default
-is 0.5/0.1: loose enough for a round-off floor of a few tenths on real models' ~20-wide logits, tight enough
-to catch a mis-ordered shard or a missing merge, which move logits by whole units).
+`--verify` builds the model from the checkpoint in fp32 (LoRA applied unmerged, lora.apply_lora), loads the
+merged folder with from_pretrained in fp32, and fails if the largest |logit difference| on a fixed probe batch
+exceeds the tolerance. float32 output: 1e-4. bfloat16/float16 round every weight (8/11 significant bits) and
+the error compounds with depth, so their defaults (0.5/0.1) are a heuristic, not measured on a real model: the
+test model's bf16 round-off is 1.3e-2, a mis-ordered shard moves its logits by 2.5.
 
 Deviations from verl's model_merger:
-1. Every torch.load uses weights_only=True (and mmap=True); DTensors load that way once torch.distributed.tensor
-   is imported, no process group needed. ShardedTensor (FSDP1 with SHARDED_STATE_DICT) is not supported.
-2. verl's LoRA checkpoints (`base_model.model.` keys, lora_train_meta.json) are not merged; flatrl's are.
-3. TP meshes (a tensor sharded along more than one mesh dim) and Partial placements are refused, not guessed.
+1. Every torch.load is weights_only=True (and mmap=True); DTensors load so once torch.distributed.tensor is
+   imported, without a process group. FSDP1 ShardedTensor files are not supported.
+2. verl LoRA checkpoints (`base_model.model.` keys, lora_train_meta.json) are not merged; flatrl's are.
+3. A tensor sharded along two mesh dims (TP) or a Partial placement is refused, not guessed.
 """
 
 from __future__ import annotations
@@ -67,19 +62,19 @@ class MergeConfig:
     """Turn a flatrl (DCP) or verl (FSDP .pt) checkpoint into a Hugging Face model folder."""
 
     ckpt_dir: str
-    """Checkpoint folder: RUN/global_step_N (flatrl), or verl's global_step_N or global_step_N/actor."""
+    """Checkpoint folder: RUN/global_step_N (flatrl), or verl's global_step_N or its actor/."""
     out: str
     """Output folder; must be absent or empty unless --force."""
     max_shard_size: str = "5GB"
-    """Largest safetensors file: an int (bytes) or a number with KB/MB/GB (10^3..) or KiB/MiB/GiB (2^10..)."""
+    """Largest safetensors file: bytes, or a number with KB/MB/GB (powers of 10) or KiB/MiB/GiB (of 2)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the floating tensors written; auto = huggingface/config.json's dtype, else the checkpoint's."""
+    """Dtype of the floating tensors written; auto: huggingface/config.json's dtype, else the checkpoint's."""
     adapter_only: bool = False
     """With LoRA: write only the PEFT adapter (adapter_config.json + adapter_model.safetensors)."""
     verify: bool = False
-    """Compare the merged folder's logits with the checkpoint model's on a probe batch; exit 1 above tolerance."""
+    """Compare the merged folder's logits with the checkpoint model's; exit 1 above the tolerance."""
     verify_tolerance: float | None = None
-    """Largest allowed |logit difference|; None: 1e-4 for float32, 0.5 bfloat16, 0.1 float16 (module docstring)."""
+    """Largest allowed |logit difference|; None: 1e-4 float32, 0.5 bfloat16, 0.1 float16 (see module doc)."""
     component: Literal["actor", "critic"] = "actor"
     """Which model of the checkpoint: the actor (top-level model/) or the PPO critic (critic/)."""
     force: bool = False
@@ -96,16 +91,16 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GI
 
 @dataclass
 class Checkpoint:
-    """One model of a checkpoint: tensor specs, a loader for any subset of keys, and its Hugging Face files."""
+    """One model of a checkpoint: tensor specs, a loader for any subset of keys, its Hugging Face files."""
 
     specs: dict[str, tuple[torch.Size, torch.dtype]]  # key -> full (unsharded) shape, stored dtype
-    load: Callable[[list[str]], dict[str, Tensor]]  # keys -> full tensors (only those keys are read)
+    load: Callable[[list[str]], dict[str, Tensor]]  # keys -> full tensors; reads only those keys
     hf_dir: Path
     lora: dict | None  # lora.json: rank, alpha, target_modules, base_model_name_or_path
 
 
 def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
-    """Specs and loader of a DCP folder, after checking every data file the metadata names is whole."""
+    """Specs and loader of a DCP folder, after checking that every data file its metadata names is whole."""
     meta_file = model_dir / ".metadata"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{meta_file} is missing: {model_dir} is not a complete DCP checkpoint")
@@ -117,20 +112,16 @@ def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
     for info in meta.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, n in need.items():
-        f = model_dir / name
-        if not f.is_file():
+        if not (f := model_dir / name).is_file():
             raise FileNotFoundError(f"{f} is missing (listed in {meta_file})")
         if f.stat().st_size < n:
-            raise ValueError(f"{f} is truncated: {f.stat().st_size} bytes, {meta_file} needs at least {n}")
-    specs = {
-        k: (m.size, m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
+            raise ValueError(f"{f} is truncated: {f.stat().st_size} bytes, {meta_file} needs {n}")
+    items = meta.state_dict_metadata.items()
+    specs = {k: (m.size, m.properties.dtype) for k, m in items if isinstance(m, TensorStorageMetadata)}
 
     def load(keys: list[str]) -> dict[str, Tensor]:
         sd = {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys}
-        with warnings.catch_warnings():  # "torch.distributed is disabled ...": intended, we are one process
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": yes, one process on purpose
             warnings.simplefilter("ignore")
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(model_dir)), no_dist=True)
         return sd
@@ -139,53 +130,42 @@ def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
 
 
 def _torch_load(f: Path) -> dict:
-    """torch.load(weights_only=True, mmap=True) of one verl rank file; errors name the file."""
-    logging.getLogger("torch.distributed.device_mesh").setLevel(
-        logging.ERROR
-    )  # "unpickled before PGs" is moot
+    """weights_only (and mmap, so RAM holds only what is used) torch.load of one verl rank file."""
     try:
         return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise ValueError(
-            f"{f} cannot be read, truncated or not a torch.save file ({type(e).__name__}: {e})"
-        ) from e
+        raise ValueError(f"{f} cannot be read: truncated or not a torch.save file ({e})") from e
 
 
-def _unshard(key: str, parts: list, files: list[Path]) -> Tensor:
-    """The full tensor from each rank's piece (rank order): DTensor placements decide, plain tensors cat on dim 0."""
+def _unshard(key: str, parts: list, file: Path) -> Tensor:
+    """The full tensor from each rank's piece (rank order): by DTensor placements; plain tensors on dim 0."""
     first = parts[0]
     if not isinstance(first, DTensor):
         return first if first.dim() == 0 else torch.cat(parts, dim=0)
-    mesh = first.device_mesh.mesh  # [*mesh shape] of global ranks
-    bad = [p for p in first.placements if not (p.is_shard() or p.is_replicate())]
+    mesh = first.device_mesh.mesh  # [*mesh shape] global ranks
     sharded = [(i, p.dim) for i, p in enumerate(first.placements) if p.is_shard()]
-    if bad or len(sharded) > 1:
-        raise ValueError(
-            f"{files[0]}: {key} has placements {first.placements}; only one Shard mesh dim supported"
-        )
-    # rank -> its mesh coordinate; mesh.flatten() walks the mesh in the same row-major order as product()
+    if len(sharded) > 1 or not all(p.is_shard() or p.is_replicate() for p in first.placements):
+        raise ValueError(f"{file}: {key} has placements {first.placements}; one Shard mesh dim at most")
+    # rank -> mesh coordinate (flatten() walks the mesh in product()'s row-major order)
     coords = dict(zip(mesh.flatten().tolist(), itertools.product(*map(range, mesh.shape)), strict=True))
     mesh_dim, dim = sharded[0] if sharded else (None, 0)
-    keep = [r for r, c in coords.items() if all(c[i] == 0 for i in range(mesh.dim()) if i != mesh_dim)]
-    keep.sort(key=lambda r: coords[r][mesh_dim] if mesh_dim is not None else 0)
-    full = torch.cat([parts[r].to_local() for r in keep], dim=dim) if sharded else parts[keep[0]].to_local()
+    # the ranks at coordinate 0 of every other (Replicate) mesh dim, in order along the Shard mesh dim
+    keep = [r for r, c in coords.items() if all(x == 0 for i, x in enumerate(c) if i != mesh_dim)]
+    keep.sort(key=lambda r: coords[r][mesh_dim] if sharded else 0)
+    full = torch.cat([parts[r].to_local() for r in keep], dim=dim)
     if full.shape != first.shape:
-        raise ValueError(
-            f"{files[0]}: {key} rebuilt as {tuple(full.shape)}, DTensor says {tuple(first.shape)}"
-        )
+        raise ValueError(f"{file}: {key} rebuilt as {tuple(full.shape)}, but it is {tuple(first.shape)}")
     return full
 
 
 def _verl_loader(root: Path) -> tuple[dict, Callable]:
-    """Specs and loader of a verl FSDP folder (model_world_size_W_rank_R.pt files), checking the world size."""
+    """Specs and loader of a verl FSDP folder (model_world_size_W_rank_R.pt), checking the world size."""
     found = sorted(p.name for p in root.iterdir() if _VERL_RANK_FILE.match(p.name))
     sizes = {int(_VERL_RANK_FILE.match(n)[1]) for n in found}
     cfg_file = root / "fsdp_config.json"
     world = json.loads(cfg_file.read_text()).get("world_size") if cfg_file.is_file() else None
     if world is None and len(sizes) != 1:
-        raise FileNotFoundError(
-            f"{root}: expected model_world_size_W_rank_R.pt files of one W, found {found}"
-        )
+        raise FileNotFoundError(f"{cfg_file} is missing and {root} holds rank files of several world sizes")
     world = world if world is not None else sizes.pop()
     if sizes - {world}:
         raise ValueError(f"{cfg_file} says world_size {world}, but {root} holds {found}")
@@ -193,25 +173,25 @@ def _verl_loader(root: Path) -> tuple[dict, Callable]:
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing (world_size {world})")
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)  # "unpickled before PGs": moot
     shards = [_torch_load(f) for f in files]
-    for f, sd in zip(files[1:], shards[1:], strict=True):
+    for f, sd in zip(files, shards, strict=True):
         if sd.keys() != shards[0].keys():
-            raise ValueError(f"{f} holds different keys than {files[0]}")
+            raise ValueError(f"{f} holds other keys than {files[0]}")
     specs = {}
     for k, v in shards[0].items():
-        if isinstance(v, DTensor) or v.dim() == 0:
-            specs[k] = (v.shape, v.dtype)
-        else:
-            specs[k] = (torch.Size([sum(sd[k].shape[0] for sd in shards), *v.shape[1:]]), v.dtype)
+        plain = not isinstance(v, DTensor) and v.dim() > 0
+        shape = torch.Size([sum(sd[k].shape[0] for sd in shards), *v.shape[1:]]) if plain else v.shape
+        specs[k] = (shape, v.dtype)
 
     def load(keys: list[str]) -> dict[str, Tensor]:
-        return {k: _unshard(k, [sd[k] for sd in shards], files) for k in keys}
+        return {k: _unshard(k, [sd[k] for sd in shards], files[0]) for k in keys}
 
     return specs, load
 
 
 def open_checkpoint(ckpt_dir: str | Path, component: str = MergeConfig.component) -> Checkpoint:
-    """Find the component's tensors (flatrl DCP or verl .pt files) and Hugging Face files in ckpt_dir.
+    """The component's tensors (flatrl DCP or verl rank files) and Hugging Face files in ckpt_dir.
 
     Raises FileNotFoundError / ValueError naming the missing, truncated or inconsistent file.
     """
@@ -220,83 +200,61 @@ def open_checkpoint(ckpt_dir: str | Path, component: str = MergeConfig.component
     if (root / "model").is_dir():
         specs, load = _dcp_loader(root / "model")
     else:  # verl: rank files under actor/ (critic/), or in the folder given
-        verl = [
-            d for d in (ckpt_dir / component, ckpt_dir) if d.is_dir() and any(d.glob("model_world_size_*.pt"))
-        ]
+        verl = [d for d in (ckpt_dir / component, ckpt_dir) if any(d.glob("model_world_size_*"))]
         if not verl:
-            raise FileNotFoundError(
-                f"{root / 'model'} does not exist and no model_world_size_W_rank_R.pt files either"
-            )
+            raise FileNotFoundError(f"{root / 'model'} does not exist, nor any model_world_size_W_rank_R.pt")
         root = verl[0]
         specs, load = _verl_loader(root)
     hf_dir = root / "huggingface"
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir / 'config.json'} is missing (the checkpoint's huggingface/ folder)")
-    lora_file = hf_dir / "lora.json"
-    lora_cfg = json.loads(lora_file.read_text()) if lora_file.is_file() else None
+        raise FileNotFoundError(f"{hf_dir / 'config.json'} is missing")
+    lora_cfg = json.loads((hf_dir / "lora.json").read_text()) if (hf_dir / "lora.json").is_file() else None
     return Checkpoint(specs, load, hf_dir, lora_cfg)
 
 
 def _parse_size(size: str) -> int:
-    """'5GB' -> 5_000_000_000 (Hugging Face's units: GB = 10^9, GiB = 2^30)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper())
-    if not m:
+    """'5GB' -> 5 * 10^9 (Hugging Face's units: GB = 10^9, GiB = 2^30)."""
+    if not (m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?", size.strip().upper())):
         raise ValueError(f"max_shard_size {size!r}: expected e.g. 5GB, 500MiB or a byte count")
     return int(float(m[1]) * _UNITS[m[2] or "B"])
 
 
 def _model_class(config: transformers.PretrainedConfig) -> type[transformers.PreTrainedModel]:
     """The class config.architectures names, else the causal LM class of the config's model type."""
-    arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
+    cls = getattr(transformers, (config.architectures or [""])[0], None)
     return cls if cls is not None else transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def _out_dtype(dtype: str, hf_config: dict, ckpt: Checkpoint) -> torch.dtype:
-    """auto: the config's dtype (or torch_dtype), else the checkpoint's first floating dtype."""
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if name := hf_config.get("dtype") or hf_config.get("torch_dtype"):
-        return getattr(torch, name)
-    return next((d for _, d in ckpt.specs.values() if d.is_floating_point), torch.float32)
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Tied parameter name -> the parameter's first name (lm_head.weight -> model.embed_tokens.weight)."""
+    first: dict[int, str] = {}
+    named = model.named_parameters(remove_duplicate=False)
+    return {n: first[id(p)] for n, p in named if first.setdefault(id(p), n) != n}
 
 
 def _write_model(ckpt: Checkpoint, out: Path, max_bytes: int, dtype: torch.dtype) -> None:
-    """Safetensors shards (+ index) and config.json of the merged model into `out`."""
+    """Safetensors shards (+ index) and config.json of the merged model, into `out`."""
     config = transformers.AutoConfig.from_pretrained(ckpt.hf_dir)
-    with torch.device("meta"):  # key names, shapes and tied aliases for free: no memory, no init
+    with torch.device("meta"):  # names, shapes and tied aliases at no memory cost
         meta_model = _model_class(config)(config)
-    first_name: dict[int, str] = {}
-    aliases: dict[
-        str, str
-    ] = {}  # tied name -> the name it is tied to (lm_head.weight -> embed_tokens.weight)
-    for name, p in meta_model.named_parameters(remove_duplicate=False):
-        aliases.update({name: first_name[id(p)]} if id(p) in first_name else {})
-        first_name.setdefault(id(p), name)
+    aliases = _tied_aliases(meta_model)
     expected = {k: v.shape for k, v in meta_model.state_dict().items() if k not in aliases}
     for alias, target in aliases.items():
         if alias in ckpt.specs and target in ckpt.specs:
             pair = ckpt.load([alias, target])
             if not torch.equal(pair[alias], pair[target]):
                 raise ValueError(f"{alias} differs from {target} in the checkpoint, yet the config ties them")
-
-    units: dict[str, list[str]] = {}  # load unit (a LoRA module's tensors stay together) -> keys
+    units: dict[str, list[str]] = {}  # a LoRA module's tensors load together, so they can be merged
     for key in ckpt.specs:
         if key not in aliases:
             m = _LORA_PART.match(key) if ckpt.lora else None
             units.setdefault(m["path"] if m else key, []).append(key)
     shards: list[list[str]] = [[]]
     size = 0
-    for keys in units.values():
-        nbytes = sum(
-            ckpt.specs[k][0].numel()
-            * (dtype if ckpt.specs[k][1].is_floating_point else ckpt.specs[k][1]).itemsize
-            for k in keys
-            if ".lora_" not in k
-        )
-        if (
-            shards[-1] and size + nbytes > max_bytes
-        ):  # Hugging Face's rule: a too-big tensor gets its own shard
+    for keys in units.values():  # Hugging Face's rule: fill to the limit; a bigger tensor gets its own shard
+        specs = [ckpt.specs[k] for k in keys if ".lora_" not in k]
+        nbytes = sum(s.numel() * (dtype if d.is_floating_point else d).itemsize for s, d in specs)
+        if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
         shards[-1] += keys
@@ -310,25 +268,14 @@ def _write_model(ckpt: Checkpoint, out: Path, max_bytes: int, dtype: torch.dtype
         sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
         for k, v in sd.items():
             if k in expected and v.shape != expected[k]:
-                raise ValueError(
-                    f"{k}: checkpoint gives shape {tuple(v.shape)}, the config needs {expected[k]}"
-                )
-        fname = (
-            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        save_file(sd, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(sd, fname))
+                raise ValueError(f"{k}: the checkpoint has shape {tuple(v.shape)}, the config {expected[k]}")
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if (n := len(shards)) > 1 else "model.safetensors"
+        save_file(sd, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(sd, name))
         total += sum(v.numel() * v.element_size() for v in sd.values())
-        del sd
-    missing, unexpected = (
-        sorted(expected.keys() - weight_map.keys()),
-        sorted(weight_map.keys() - expected.keys()),
-    )
+    missing, unexpected = expected.keys() - weight_map.keys(), weight_map.keys() - expected.keys()
     if missing or unexpected:
-        raise ValueError(
-            f"checkpoint keys do not match {type(meta_model).__name__}: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
-        )
+        raise ValueError(f"checkpoint keys do not fit the config: missing {missing}, extra {unexpected}")
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -348,100 +295,84 @@ def merge(
     component: str = MergeConfig.component,
     force: bool = MergeConfig.force,
 ) -> Path:
-    """Write the Hugging Face folder (or, with adapter_only, the PEFT adapter) of a checkpoint.
+    """Write the Hugging Face folder (with adapter_only: the PEFT adapter folder) of a checkpoint.
 
     Args:
-        ckpt_dir: flatrl RUN/global_step_N, or a verl checkpoint folder (see the module docstring).
+        ckpt_dir: flatrl RUN/global_step_N, or a verl checkpoint folder (module docstring).
         out: output folder; must be absent or empty unless force.
         max_shard_size, dtype, adapter_only, component, force: as the MergeConfig fields.
     Returns:
-        `out` as a Path, complete (written to a hidden sibling and renamed into place).
+        `out` as a Path, complete: it was assembled in a hidden sibling and renamed into place.
     """
     ckpt = open_checkpoint(ckpt_dir, component)
     out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
-    hf_config = json.loads((ckpt.hf_dir / "config.json").read_text())
-    out_dtype = _out_dtype(dtype, hf_config, ckpt)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if dtype == "auto":  # the config's dtype, else the checkpoint's
+        hf_config = json.loads((ckpt.hf_dir / "config.json").read_text())
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        dtype = dtype or next(str(d)[6:] for _, d in ckpt.specs.values() if d.is_floating_point)
+    out_dtype = getattr(torch, dtype)
+    tmp, old = (out.parent / f".{out.name}.{tag}-{os.getpid()}" for tag in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         if adapter_only:
-            if ckpt.lora is None:
-                raise ValueError(
-                    f"{ckpt.hf_dir / 'lora.json'} is missing: --adapter-only needs a LoRA checkpoint"
-                )
+            if (c := ckpt.lora) is None:
+                raise ValueError(f"{ckpt.hf_dir / 'lora.json'} is missing: --adapter-only needs LoRA")
             sd = ckpt.load([k for k in ckpt.specs if ".lora_A." in k or ".lora_B." in k])
-            sd = {k: v.to(out_dtype) for k, v in sd.items()}
-            c = ckpt.lora
-            lora.save_adapter(
-                tmp, sd, c["rank"], c["alpha"], c["target_modules"], c["base_model_name_or_path"]
-            )
+            args = c["rank"], c["alpha"], c["target_modules"], c["base_model_name_or_path"]
+            lora.save_adapter(tmp, {k: v.to(out_dtype) for k, v in sd.items()}, *args)
         else:
             _write_model(ckpt, tmp, _parse_size(max_shard_size), out_dtype)
             for f in ckpt.hf_dir.iterdir():  # tokenizer, generation config, chat template, ...
                 if f.name not in ("config.json", "lora.json"):
                     (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
-        if out.exists():  # empty, or force: move the old one aside first so `out` is never half-written
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():  # empty, or --force: move it aside first, so `out` is never a half-written folder
             os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def probe_batch(vocab_size: int) -> Tensor:
-    """Fixed token ids for --verify: 4 sequences of 32, seeded so every run compares the same inputs."""
-    return torch.randint(0, vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))  # [B, T]
-
-
 @torch.no_grad()
 def verify(ckpt_dir: str | Path, out: str | Path, component: str = MergeConfig.component) -> float:
-    """Largest |logit difference| on probe_batch between the checkpoint model and the merged folder.
+    """Largest |logit difference| on a fixed probe batch (4 x 32 seeded token ids) between the checkpoint's model and the merged folder.
 
-    The checkpoint model is built from huggingface/config.json and the checkpoint tensors in fp32 (LoRA applied
-    with lora.apply_lora, unmerged); the merged folder is loaded with from_pretrained in fp32. Holds both models
-    in RAM. Returns the max over all positions and vocabulary entries of |logits_ckpt - logits_merged|.
+    The checkpoint's model: huggingface/config.json + the checkpoint tensors in fp32, LoRA applied unmerged
+    with lora.apply_lora. The merged folder: from_pretrained in fp32. Both models are held in RAM at once.
+    Returns max over batch, positions and vocabulary of |logits_ckpt - logits_merged| (a float).
     """
     ckpt = open_checkpoint(ckpt_dir, component)
     config = transformers.AutoConfig.from_pretrained(ckpt.hf_dir)
     cls = _model_class(config)
-    ref = cls(config).float()
-    if ckpt.lora:
-        lora.apply_lora(ref, ckpt.lora["rank"], ckpt.lora["alpha"], ckpt.lora["target_modules"])
+    ref = cls(config).float().eval()
+    if c := ckpt.lora:
+        lora.apply_lora(ref, c["rank"], c["alpha"], c["target_modules"])
     missing, unexpected = ref.load_state_dict(ckpt.load(list(ckpt.specs)), strict=False)
-    tied = {n for n, _ in ref.named_parameters(remove_duplicate=False)} - {
-        n for n, _ in ref.named_parameters()
-    }
-    if set(missing) - tied or unexpected:
-        raise ValueError(
-            f"checkpoint does not fit the config: missing {missing[:8]}, unexpected {unexpected[:8]}"
-        )
-    merged = cls.from_pretrained(str(out), dtype=torch.float32)
-    ids = probe_batch(config.vocab_size)  # [B, T]
-    diff = (
-        (ref.eval()(input_ids=ids).logits - merged.eval()(input_ids=ids).logits).abs().max().item()
-    )  # [B, T, V]
-    print(f"verify: max |logit difference| {diff:.3e} over {tuple(ids.shape)} probe tokens")
+    if set(missing) - _tied_aliases(ref).keys() or unexpected:
+        raise ValueError(f"checkpoint does not fit the config: missing {missing}, unexpected {unexpected}")
+    merged = cls.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))  # [B, T]
+    diff = (ref(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()  # over [B, T, V]
+    print(f"verify: max |logit difference| {diff:.3e} on {tuple(ids.shape)} probe tokens")
     return diff
 
 
 def main(cfg: MergeConfig) -> dict:
-    """Merge (and with cfg.verify, check) one checkpoint; returns {"out", "verify/max_abs_logit_diff", "ok"}."""
-    out = merge(
-        cfg.ckpt_dir, cfg.out, cfg.max_shard_size, cfg.dtype, cfg.adapter_only, cfg.component, cfg.force
-    )
-    result: dict = {"out": str(out), "ok": True}
+    """Merge (and with cfg.verify, check) one checkpoint; returns {"out", "ok"[, "verify/..."]}."""
+    if cfg.verify and cfg.adapter_only:
+        raise ValueError("--verify compares a merged model folder; it cannot check an --adapter-only output")
+    c = cfg
+    out = merge(c.ckpt_dir, c.out, c.max_shard_size, c.dtype, c.adapter_only, c.component, c.force)
     print(f"wrote {out}")
+    result: dict = {"out": str(out), "ok": True}
     if cfg.verify:
-        if cfg.adapter_only:
-            raise ValueError("--verify compares a merged folder; it cannot check an --adapter-only output")
         written = getattr(torch, json.loads((out / "config.json").read_text())["dtype"])
         tol = cfg.verify_tolerance if cfg.verify_tolerance is not None else VERIFY_TOLERANCE[written]
         diff = verify(cfg.ckpt_dir, out, cfg.component)

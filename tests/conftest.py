@@ -1,0 +1,48 @@
+"""Shared fixtures: the toy model and data (built once per test session), and a torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def toy_dir(tmp_path_factory) -> Path:
+    """runs/toy-like folder: model/, sft/, rl/ from toy.build (deterministic, offline)."""
+    import toy
+
+    out = tmp_path_factory.mktemp("toy")
+    toy.build(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, args: list[str], nproc: int = 2, timeout_s: float = 600, env: dict | None = None):
+    """Runs `torchrun --nproc_per_node nproc script args` from the repo root; fails the test on error."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ROOT / script), *args,
+    ]  # fmt: skip
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl as a list of dicts."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
