@@ -37,6 +37,7 @@ import inspect
 import io
 import logging
 import math
+import operator
 import os
 import re
 import signal
@@ -58,7 +59,7 @@ _log = logging.getLogger(__name__)
 
 _GSM8K_STRICT = re.compile(r"####[ \t]*\$?[ \t]*(-?[0-9.,]+)")  # verl: "#### (\-?[0-9\.\,]+)"
 _NUMBER_TOKEN = re.compile(r"-?[0-9.,]+")
-_DECIMAL = re.compile(r"-?(\d+\.?\d*|\.\d+)")
+_DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)")
 
 
 def _as_number(s: str) -> Fraction | None:
@@ -122,24 +123,15 @@ def _last_boxed(text: str) -> str | None:
     return None  # unbalanced: the answer was cut off
 
 
-_MATH_DROP = (
-    "\\!",
-    "\\,",
-    "\\;",
-    "\\:",
-    "\\ ",
-    "\\left",
-    "\\right",
-    "\\displaystyle",
-    "^{\\circ}",
-    "^\\circ",
-)
+_MATH_DROP = r"\! \, \; \: \left \right \displaystyle ^{\circ} ^\circ \$ $ \% %".split() + [
+    "\\ "
+]  # spacing etc.
 
 
 def _norm_math(s: str) -> str:
     """MATH answer normalisation, after the Hendrycks `strip_string` that verl's math.py uses."""
     s = s.strip().replace("\n", "").replace("dfrac", "frac").replace("tfrac", "frac")
-    for t in _MATH_DROP + ("\\$", "$", "\\%", "%"):
+    for t in _MATH_DROP:
         s = s.replace(t, "")
     unitless = re.sub(r"\\(?:text|mbox)\{[^{}]*\}$", "", s).strip()  # "10\text{ cm}" -> "10"
     s = unitless or s
@@ -186,7 +178,8 @@ def math_score(solution: str, ground_truth: str) -> float:
 
 # ---------------------------------------------------------------- Countdown
 
-_ARITH_TOKEN = re.compile(r"\s*(?:(\d{1,9})|([-+*/()]))")
+_ARITH_TOKEN = re.compile(r"\s*(?:([0-9]{1,9})|([-+*/()]))")  # ASCII digits only: int() takes "٣" too
+_ARITH_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 _MAX_EQUATION_CHARS, _MAX_DEPTH = 200, 24  # a 6-number countdown equation is < 60 characters
 
 
@@ -215,17 +208,9 @@ def _eval_arith(text: str) -> tuple[Fraction | None, list[int]]:
         nonlocal i
         value = operand(depth)
         while peek() in ops:
-            op = tokens[i]
+            op = _ARITH_OPS[tokens[i]]
             i += 1
-            rhs = operand(depth)
-            if op == "+":
-                value += rhs
-            elif op == "-":
-                value -= rhs
-            elif op == "*":
-                value *= rhs
-            else:
-                value /= rhs  # ZeroDivisionError is caught by the caller
+            value = op(value, operand(depth))  # ZeroDivisionError is caught by the caller
         return value
 
     def unary(depth: int) -> Fraction:
@@ -273,14 +258,18 @@ def countdown_score(
     Returns:
         score, format_score, or 0.0 when there is no answer or it does not parse.
     """
-    answers = re.findall(r"<answer>(.*?)</answer>", solution, re.DOTALL)
-    if not answers:
+    # rfind, not a regex: `<answer>(.*?)</answer>` is quadratic on many unclosed `<answer>` tags.
+    end = solution.rfind("</answer>")
+    start = solution.rfind("<answer>", 0, max(end, 0))
+    if end < 0 or start < 0:
         return 0.0
     target, numbers = int(ground_truth["target"]), sorted(int(n) for n in ground_truth["numbers"])
-    lhs, eq, rhs = answers[-1].strip().partition("=")
+    lhs, eq, rhs = solution[start + len("<answer>") : end].strip().partition("=")
     try:
         value, literals = _eval_arith(lhs)
-        claimed = int(rhs.strip()) if eq else target  # int() rejects anything but an integer literal
+        if eq and not re.fullmatch(r"-?[0-9]{1,9}", rhs.strip()):
+            raise ValueError("the right-hand side is not an integer")
+        claimed = int(rhs) if eq else target
     except ValueError:
         return 0.0
     right = sorted(literals) == numbers and value == target and claimed == target
@@ -369,8 +358,8 @@ def adapt_reward_fn(fn: Callable) -> Callable[[dict], Any]:
     1. parameters named `prompt` and `response` (and no `solution_str`): plain, `fn(prompt=, response=)`;
     2. a parameter named `solution_str` or `data_source`: verl, keywords data_source, solution_str (the
        response), ground_truth, extra_info, each passed if fn names it (all four if it takes **kwargs);
-    3. otherwise by positional count: 2 -> plain `fn(prompt, response)`, 3 or more (or *args) -> verl
-       `fn(data_source, solution_str, ground_truth, extra_info)` truncated to what it takes.
+    3. otherwise by the count of named positional parameters: 2 -> plain `fn(prompt, response)`; 3 or more
+       -> verl, positionally, `fn(data_source, solution_str, ground_truth, extra_info)` cut to that count.
     Raises:
         TypeError if none applies.
     """
@@ -384,10 +373,10 @@ def adapt_reward_fn(fn: Callable) -> Callable[[dict], Any]:
         return lambda it: fn(**{a: it["response" if a == "solution_str" else a] for a in names})
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     n = sum(k in positional for k in kinds)
-    if n == 2 and inspect.Parameter.VAR_POSITIONAL not in kinds:
+    if n == 2:
         return lambda it: fn(it["prompt"], it["response"])
-    if n >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds:
-        n = min(max(n, 4) if inspect.Parameter.VAR_POSITIONAL in kinds else n, 4)
+    if n >= 3:
+        n = min(n, 4)
         return lambda it: fn(*[it["response" if a == "solution_str" else a] for a in _VERL_ARGS[:n]])
     raise TypeError(f"reward function {fn!r} takes neither (prompt, response) nor verl's {_VERL_ARGS}")
 
@@ -555,6 +544,7 @@ class RewardPool:
                 [w.conn for w in waiting], max(0.0, min(w.deadline for w in waiting) - time.monotonic())
             )
             for w in waiting:
+                msg = ("timed out",)
                 if w.conn in answered:
                     try:
                         msg = w.conn.recv()
@@ -568,19 +558,23 @@ class RewardPool:
                         continue
                 elif time.monotonic() < w.deadline:
                     continue
-                # timed out, died, or failed to start: replace it (a slot that fails to start is dropped)
-                if w.task is not None:
-                    cause = "timeout" if w.conn not in answered else "exception"
-                    results[w.task] = (cause, 0.0, {}, f"reward worker {cause} (limit {self.timeout_s} s)")
-                w.kill()
-                i = self._workers.index(w)
-                if w.ready:
-                    self._workers[i] = _Worker(self.fn_spec, self.print_is_error)
-                else:
-                    self._workers.pop(i)
-                    _log.warning("a reward worker failed to start: %s", msg[1] if len(msg) > 1 else "timeout")
+                self._replace(w, msg[-1], results)
         for i in pending:  # only if every worker failed to start: score() still returns
             results[i] = ("exception", 0.0, {}, "no reward worker could start")
+
+    def _replace(self, w: _Worker, why: str, results: list[tuple]) -> None:
+        """Kill a worker that timed out, died or failed to start ("init_error" text); restart it if it had
+        started, else drop its slot (score() refills the pool next call), so a broken file cannot spin."""
+        w.kill()
+        if w.task is not None:
+            cause = "timeout" if why == "timed out" else "exception"
+            results[w.task] = (cause, 0.0, {}, f"reward worker {why} (timeout_s={self.timeout_s})")
+        i = self._workers.index(w)
+        if w.ready:
+            self._workers[i] = _Worker(self.fn_spec, self.print_is_error)
+        else:
+            self._workers.pop(i)
+            _log.warning("a reward worker failed to start: %s", why)
 
     def close(self) -> None:
         """Stop the workers (idle ones exit on the None sentinel; any other is killed)."""

