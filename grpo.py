@@ -498,8 +498,7 @@ def update_policy(
 
 
 def push_weights(engine: rollout.Engine, model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Streams the trainer's full parameters into this rank's engine, one at a time."""
-    engine.wake_up()
+    """Streams the trainer's full parameters into this rank's engine, one at a time (it wakes itself)."""
     engine.push_weights(fsdp.iter_full_params(model, dtype))
 
 
@@ -634,9 +633,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     )  # fmt: skip
     if d.is_main:
         log.write_run_files(run_dir, config.to_yaml(cfg))
-    train_sampling = rollout.SamplingConfig(
-        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k
-    )
+    train_sampling = cfg.rollout.train_sampling
     try:
         if val is not None and (cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0)):
             metrics = validate(engine, val, pool, cfg, tokenizer)

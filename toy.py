@@ -3,7 +3,7 @@
 No model hub is reachable on the machines flatrl is tested on, so this script makes everything an
 end-to-end run needs from a seed, byte-identical for the same seed:
 
-    python toy.py --out runs/toy [--seed 0] [--n-train 4000] [--n-val 200]
+    python toy.py --out runs/toy [--seed 0] [--n-train 8000] [--n-val 200]
 
 writes
 
@@ -15,15 +15,19 @@ writes
     DIR/rl/{train,val}.parquet    verl's RL schema: data_source "flatrl/toy", prompt (chat messages), ability,
                                   reward_model {style: "rule", ground_truth}, extra_info {split, index}.
 
-The task is column addition of two two-digit numbers, e.g. "What is 47 + 38?" answered by
+The task is two-digit column addition and subtraction (12,195 problems, 200 held out for val), e.g.
 
-    7+8=15, carry 1
-    4+3+1=8
-    #### 85
+    What is 47 + 38?        What is 52 - 17?
+    7+8=15, carry 1         12-7=5, borrow 1
+    4+3+1=8                 5-1-1=3
+    #### 85                 #### 35
 
-The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. The worked step
-per column makes the task learnable by a 2-layer, 128-wide model in minutes on two CPU cores; without it
-(and with multi-digit number tokens) a bigger model stays near 0% exact match.
+The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. Sizes were chosen
+by measuring single-process SFT on 2 CPU cores (AdamW, lr 1e-3, batch 32, loss on response tokens): greedy
+exact match climbs gradually from ~5% at 150 steps through ~35-60% at 300-450 steps to ~95% at 1,000,
+so an SFT run stopped mid-way leaves GRPO room to improve. Digits are single tokens (Qwen2's split regex)
+and the per-column worked step is what makes it learnable at this size: a 4-layer, 256-wide model with
+multi-digit BPE tokens and no worked step stayed at 1% on two-digit addition after 3,000 steps.
 
 Deviations from a real Qwen2.5 checkpoint:
 1. The chat template has no default system message (Qwen2.5 inserts "You are Qwen, ..."): it would be most
@@ -48,9 +52,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 DATA_SOURCE = "flatrl/toy"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2's pre-tokenizer split pattern, verbatim from transformers/models/qwen2/tokenization_qwen2.py.
-QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # Qwen2.5's template minus the default system prompt and tool calls (deviation 1 in the docstring).
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -68,41 +70,62 @@ class ToyConfig:
     """Output folder; gets model/, sft/ and rl/ subfolders."""
     seed: int = 0
     """Seeds the weight init and the problem draw; the same seed gives byte-identical files."""
-    n_train: int = 4000
+    n_train: int = 8000
     """Problems in each of sft/train.parquet and rl/train.parquet."""
     n_val: int = 200
     """Problems in sft/val.parquet and rl/val.parquet (the same problems, disjoint from every train problem)."""
 
 
-def all_problems() -> list[tuple[int, int]]:
-    """Every problem of the task, in a fixed order: the pairs (a, b) with 10 <= a, b <= 99."""
-    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+Problem = tuple[int, str, int]  # (a, op, b) with op "+" or "-"
 
 
-def solve(a: int, b: int) -> tuple[str, str]:
-    """Worked column-addition solution of a + b and its answer, e.g. (47, 38) -> "7+8=15, carry 1\\n...".
+def all_problems() -> list[Problem]:
+    """Every problem of the task in a fixed order: a + b and a - b for 10 <= a, b <= 99, with a >= b for "-".
+
+    12,195 problems (8,100 sums, 4,095 differences), so 200 val problems leave plenty to train on without
+    memorising (a 720-problem multiplication table plateaued at 73% by memorising its train split).
+    """
+    return [(a, op, b) for a in range(10, 100) for b in range(10, 100) for op in "+-" if op == "+" or a >= b]
+
+
+def answer_of(problem: Problem) -> int:
+    """The exact answer of `problem`."""
+    a, op, b = problem
+    return a + b if op == "+" else a - b
+
+
+def solve(problem: Problem) -> tuple[str, str]:
+    """Worked column solution of `problem` (ones column, then tens column) and its answer.
+
+    (47, "+", 38) -> "7+8=15, carry 1\n4+3+1=8\n#### 85"; (52, "-", 17) -> "12-7=5, borrow 1\n5-1-1=3\n#### 35".
 
     Returns:
-        (solution, answer): the solution ends with the line `#### <answer>`.
+        (solution, answer): the solution's last line is `#### <answer>`.
     """
-    ones = a % 10 + b % 10
-    carry = ones // 10
-    tens = a // 10 + b // 10 + carry
-    step1 = f"{a % 10}+{b % 10}={ones}" + (", carry 1" if carry else "")
-    step2 = f"{a // 10}+{b // 10}" + ("+1" if carry else "") + f"={tens}"
-    answer = str(a + b)
-    return f"{step1}\n{step2}\n#### {answer}", answer
+    a, op, b = problem
+    (a1, a0), (b1, b0) = divmod(a, 10), divmod(b, 10)
+    if op == "+":
+        carry = int(a0 + b0 >= 10)
+        ones = f"{a0}+{b0}={a0 + b0}" + (", carry 1" if carry else "")
+        tens = f"{a1}+{b1}" + ("+1" if carry else "") + f"={a1 + b1 + carry}"
+    else:
+        borrow = int(a0 < b0)
+        ones = f"{a0 + 10 * borrow}-{b0}={a0 + 10 * borrow - b0}" + (", borrow 1" if borrow else "")
+        tens = f"{a1}-{b1}" + ("-1" if borrow else "") + f"={a1 - b1 - borrow}"
+    answer = str(answer_of(problem))
+    return f"{ones}\n{tens}\n#### {answer}", answer
 
 
-def format_prompt(a: int, b: int) -> str:
-    """The user message for problem (a, b); the SFT prompt and the RL chat message both use this text."""
-    return f"What is {a} + {b}?"
+def format_prompt(problem: Problem) -> str:
+    """The user message for `problem`; the SFT prompt and the RL chat message are both exactly this text."""
+    a, op, b = problem
+    return f"What is {a} {op} {b}?"
 
 
-def parse_prompt(prompt: str) -> tuple[int, int]:
+def parse_prompt(prompt: str) -> Problem:
     """Inverse of format_prompt, so tests can recompute the ground truth from the prompt text alone."""
-    a, b = prompt.removeprefix("What is ").removesuffix("?").split(" + ")
-    return int(a), int(b)
+    a, op, b = prompt.removeprefix("What is ").removesuffix("?").split(" ")
+    return int(a), op, int(b)
 
 
 def make_problem(rng: random.Random) -> tuple[str, str, str]:
@@ -111,15 +134,15 @@ def make_problem(rng: random.Random) -> tuple[str, str, str]:
     Returns:
         (prompt, solution, answer): the user message, the worked solution ending in `#### answer`, the answer.
     """
-    a, b = rng.choice(all_problems())
-    return (format_prompt(a, b), *solve(a, b))
+    problem = rng.choice(all_problems())
+    return (format_prompt(problem), *solve(problem))
 
 
-def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list, list, list]:
+def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list[Problem], list[Problem], list[Problem]]:
     """Shuffle all problems with `seed`; the first n_val are val, the rest the train pool.
 
     Returns:
-        (sft_train, rl_train, val): lists of (a, b). The two train lists are independent draws (with
+        (sft_train, rl_train, val): lists of problems. The two train lists are independent draws (with
         replacement once n_train exceeds the pool) from the pool, so both are disjoint from val.
     """
     rng = random.Random(seed)
@@ -128,8 +151,8 @@ def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list, list, lis
     val, pool = problems[:n_val], problems[n_val:]
     assert pool, f"n_val={n_val} leaves no train problems out of {len(problems)}"
 
-    def draw() -> list:
-        out = []
+    def draw() -> list[Problem]:
+        out: list[Problem] = []
         while len(out) < n_train:
             out += rng.sample(pool, min(len(pool), n_train - len(out)))
         return out
@@ -224,7 +247,12 @@ RL_SCHEMA = pa.schema(
 )
 
 
-def build(out: str | Path, seed: int = 0, n_train: int = 4000, n_val: int = 200) -> Path:
+def build(
+    out: str | Path,
+    seed: int = ToyConfig.seed,
+    n_train: int = ToyConfig.n_train,
+    n_val: int = ToyConfig.n_val,
+) -> Path:
     """Write DIR/model, DIR/sft/{train,val}.parquet and DIR/rl/{train,val}.parquet (see module docstring).
 
     Returns:
@@ -237,7 +265,7 @@ def build(out: str | Path, seed: int = 0, n_train: int = 4000, n_val: int = 200)
     # The whole task, so the vocabulary does not depend on the split; special tokens stay out of the
     # corpus or BPE would learn merges like "<|" from their spelling.
     corpus = ["system\nuser\nassistant\n"]
-    corpus += [text for a, b in all_problems() for text in (format_prompt(a, b), solve(a, b)[0])]
+    corpus += [text for p in all_problems() for text in (format_prompt(p), solve(p)[0])]
     tokenizer = build_tokenizer(corpus)
     model = build_model(tokenizer, seed)
     model.save_pretrained(out / "model")
@@ -246,8 +274,8 @@ def build(out: str | Path, seed: int = 0, n_train: int = 4000, n_val: int = 200)
     for name, problems in splits.items():
         split = name.split("/")[1]
         rows = []
-        for index, (a, b) in enumerate(problems):
-            prompt, (solution, answer) = format_prompt(a, b), solve(a, b)
+        for index, problem in enumerate(problems):
+            prompt, (solution, answer) = format_prompt(problem), solve(problem)
             if name.startswith("sft"):
                 rows.append({"prompt": prompt, "response": solution})
             else:
