@@ -510,6 +510,9 @@ def validate(
     mine = [val[i] for i in range(len(val))][rank::world]
     samples = generate(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length) if mine else []
     score_samples(pool, samples, mine, tokenizer)
+    for s in samples[:3]:  # a few generations on the console, so a person can see what is being scored
+        text = tokenizer.decode(s.response_ids, skip_special_tokens=True).replace("\n", " | ")
+        fsdp.print0(f"  val sample: {mine[s.group]['raw_prompt'][-40:]!r} -> {text!r} (reward {s.score:g})")
     n = fsdp.all_reduce(len(samples))
     return {
         "val/reward/mean": fsdp.all_reduce(sum(s.score for s in samples)) / max(n, 1),
