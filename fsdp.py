@@ -97,7 +97,9 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
         )
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -122,7 +124,11 @@ def all_reduce(x: float | torch.Tensor, op: str = "sum", device: torch.device | 
 
 
 def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def load_model(
@@ -182,7 +188,9 @@ def shard_model(model: nn.Module, device: torch.device, cfg: FSDPConfig) -> nn.M
     return model
 
 
-def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, full tensor) one parameter at a time; every rank must iterate in step (it all-gathers).
 
     Tied parameters appear once, under their first name (as `named_parameters` reports them).

@@ -321,7 +321,9 @@ def forward_logprobs(
         All fp32; callers mask them with their label mask.
     """
     logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
     ).logits  # [B, T, V]
     lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
     raw = lp if temperature == 1.0 else token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import read_metrics, torchrun
 
 pytestmark = pytest.mark.slow
@@ -34,7 +33,9 @@ def sft_args(toy, run, **over) -> list[str]:
 
 def test_loss_falls_and_resume_is_exact(toy_dir, tmp_path):
     straight = tmp_path / "straight"
-    torchrun("sft.py", sft_args(toy_dir, straight, **{"trainer.total_training_steps": 12, "trainer.save_freq": 6}))
+    torchrun(
+        "sft.py", sft_args(toy_dir, straight, **{"trainer.total_training_steps": 12, "trainer.save_freq": 6})
+    )
     m = read_metrics(straight)
     val = [r["val/loss"] for r in m if "val/loss" in r]
     train = {r["step"]: r["train/loss"] for r in m if "train/loss" in r}
