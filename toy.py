@@ -23,11 +23,13 @@ The task is two-digit column addition and subtraction (12,195 problems, 200 held
     #### 85                 #### 35
 
 The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. Sizes were chosen
-by measuring single-process SFT on 2 CPU cores (AdamW, lr 1e-3, batch 32, loss on response tokens): greedy
-exact match climbs gradually from ~5% at 150 steps through ~35-60% at 300-450 steps to ~95% at 1,000,
-so an SFT run stopped mid-way leaves GRPO room to improve. Digits are single tokens (Qwen2's split regex)
-and the per-column worked step is what makes it learnable at this size: a 4-layer, 256-wide model with
-multi-digit BPE tokens and no worked step stayed at 1% on two-digit addition after 3,000 steps.
+by measuring SFT on 2 CPU cores (AdamW, loss on response tokens, batch 32, greedy exact match on val):
+nothing at 100 steps, then a gradual climb; with lr 1e-3 constant ~22% at 300 steps, ~50% at 500, ~95% at
+1,200; sft.py with lr 1e-3, cosine, 500 steps ends at 58% (85% of sums, 21% of differences), leaving GRPO
+room to improve. Digits are single tokens (Qwen2's split regex) and the per-column worked step is what makes
+it learnable at this size: a 4-layer, 256-wide model with multi-digit BPE tokens and no worked step stayed
+at 1% on two-digit addition after 3,000 steps. Every response fits in 26 tokens with `<|im_end|>`, every
+chat-templated prompt in 18.
 
 Deviations from a real Qwen2.5 checkpoint:
 1. The chat template has no default system message (Qwen2.5 inserts "You are Qwen, ..."): it would be most
@@ -95,7 +97,7 @@ def answer_of(problem: Problem) -> int:
 
 
 def solve(problem: Problem) -> tuple[str, str]:
-    """Worked column solution of `problem` (ones column, then tens column) and its answer.
+    r"""Worked column solution of `problem` (ones column, then tens column) and its answer.
 
     (47, "+", 38) -> "7+8=15, carry 1\n4+3+1=8\n#### 85"; (52, "-", 17) -> "12-7=5, borrow 1\n5-1-1=3\n#### 35".
 
@@ -161,13 +163,15 @@ def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list[Problem], 
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on `texts`, digits split into single tokens (like Qwen2's regex).
+    """Train a byte-level BPE tokenizer on `texts`, every digit its own token (Qwen2's split regex).
 
     Args:
-        texts: training corpus (chat-templated problems, so role names and phrasing become merges).
-        vocab_size: total vocabulary incl. the 256 byte tokens and the 3 special tokens.
+        texts: training corpus: prompts, solutions and role names, without special tokens.
+        vocab_size: upper bound on the vocabulary incl. the 256 byte tokens and the 3 special tokens (the
+            toy corpus runs out of merges first: 288 tokens).
     Returns:
         A PreTrainedTokenizerFast with pad `<|endoftext|>`, eos `<|im_end|>`, no bos, and the chat template.
+        Saved and reloaded with AutoTokenizer it comes back as Qwen2Tokenizer, encoding identically.
     """
     tok = Tokenizer(models.BPE())
     # Exactly Qwen2's pipeline (NFC, its split regex, byte-level), because transformers 5 loads any
@@ -229,10 +233,10 @@ def build_model(
     return model
 
 
-def _write(table: list[dict], schema: pa.Schema, path: Path) -> None:
+def _write(rows: list[dict], schema: pa.Schema, path: Path) -> None:
     """Write rows as one parquet file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(table, schema=schema), path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
 SFT_SCHEMA = pa.schema([("prompt", pa.string()), ("response", pa.string())])
