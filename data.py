@@ -197,7 +197,8 @@ class SFTDataset(_Examples):
             is prompt + response + eos. Chat rows need the template.
         max_length: tokens per example after truncation.
         truncation: "right" cuts the end, "left" the beginning, "error" rejects an overlong row.
-        skip_bad_rows: skip and count unusable rows instead of raising.
+        skip_bad_rows: skip and count unusable rows (missing key, empty or non-string prompt or response, bad
+            messages, too long under truncation="error") instead of raising.
     Attributes:
         examples: [{"input_ids": list[int], "loss_mask": list[int], "origin": str}]; lengths: tokens of each.
         skipped: {reason: count}; truncated: how many examples were cut to max_length; pad_id: for pad_batch.
@@ -254,8 +255,10 @@ class SFTDataset(_Examples):
         else:
             key = self.response_key
             prompt, response = self._string(row, self.prompt_key), self._string(row, key)
-            if not response:
-                raise BadRow(row, key, "empty_response", "response is the empty string")
+            if not prompt.strip():
+                raise BadRow(row, self.prompt_key, "empty_prompt", f"prompt is {prompt!r}")
+            if not response.strip():
+                raise BadRow(row, key, "empty_response", f"response is {response!r}")
             if self.apply_chat_template:
                 chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
                 ids, mask = conversation_tokens(self.tok, chat, row, key)
@@ -282,9 +285,14 @@ class RLDataset(_Examples):
         prompt_key: a column of chat messages (verl) or of strings (e.g. GSM8K's "question": one user turn).
         max_prompt_length: tokens; a longer prompt is dropped (filter_overlong_prompts) or an error.
         apply_chat_template: render with add_generation_prompt=True; without it a string prompt is used as is.
+        skip_bad_rows: skip and count unusable rows instead of raising (see `skipped`).
     Attributes:
         examples: [{"prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "origin"}].
         dropped_overlong: prompts dropped for length.
+        skipped: {reason: count} of rows skipped with skip_bad_rows: missing_key (the prompt, data_source or
+            reward_model.ground_truth), bad_prompt (wrong type, malformed messages), empty_prompt, too_long.
+    Raises:
+        data.BadRow (a ValueError) "FILE row I: key 'K': reason: detail" for the first unusable row.
     """
 
     def __init__(
@@ -295,38 +303,72 @@ class RLDataset(_Examples):
         max_prompt_length: int = 512,
         apply_chat_template: bool = True,
         filter_overlong_prompts: bool = True,
+        skip_bad_rows: bool = False,
     ):
+        self.tok, self.prompt_key, self.max_prompt_length = tokenizer, prompt_key, max_prompt_length
+        self.apply_chat_template, self.filter_overlong_prompts = apply_chat_template, filter_overlong_prompts
         self.dropped_overlong = 0
+        self.skipped: dict[str, int] = {}
         self.examples = []
         for row in load_rows(paths):
-            prompt, rm = row.get(prompt_key), row.get("reward_model")
-            is_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
-            if not (isinstance(prompt, str) or (is_chat and apply_chat_template)):
-                what = "chat messages (with apply_chat_template)" if apply_chat_template else "a string"
-                raise ValueError(f"{row.origin}: key {prompt_key!r}: want {what}, got {prompt!r:.60}")
-            if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-                raise ValueError(f"{row.origin}: key 'reward_model.ground_truth' missing ({rm!r:.60})")
-            if row.get("data_source") is None:
-                raise ValueError(f"{row.origin}: key 'data_source' missing (rewards dispatch on it)")
-            chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            raw = _render(tokenizer, chat, add_generation_prompt=True) if apply_chat_template else prompt
-            ids = _encode(tokenizer, raw)
-            if len(ids) > max_prompt_length and filter_overlong_prompts:
-                self.dropped_overlong += 1
+            try:
+                ex = self._example(row)
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise
+                self.skipped[e.reason] = self.skipped.get(e.reason, 0) + 1
                 continue
-            if len(ids) > max_prompt_length:
-                raise ValueError(f"{row.origin}: key {prompt_key!r}: {len(ids)} tokens > {max_prompt_length}")
-            ex = dict(
-                prompt_ids=ids,
-                raw_prompt=raw,
-                data_source=row["data_source"],
-                ground_truth=rm["ground_truth"],
-            )
-            self.examples.append(ex | {"extra_info": row.get("extra_info") or {}, "origin": row.origin})
+            if ex is not None:
+                self.examples.append(ex)
         if not self.examples:
             raise ValueError(
-                f"{paths}: no prompts left ({self.dropped_overlong} over {max_prompt_length} tokens)"
+                f"{paths}: no prompts left ({self.dropped_overlong} over {max_prompt_length} tokens, "
+                f"skipped: {self.skipped})"
             )
+
+    def _example(self, row: Row) -> dict | None:
+        """The example of one row; None when it is dropped for length."""
+        key, prompt, rm = self.prompt_key, row.get(self.prompt_key), row.get("reward_model")
+        if prompt is None:
+            raise BadRow(row, key, "missing_key", f"row has columns {sorted(row)}")
+        if isinstance(prompt, str):
+            chat = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and prompt and self.apply_chat_template:
+            chat = _check_prompt_messages(row, key)
+        else:
+            what = "chat messages (with apply_chat_template)" if self.apply_chat_template else "a string"
+            raise BadRow(row, key, "bad_prompt", f"want {what}, got {prompt!r:.60}")
+        if not any(m["content"].strip() for m in chat):
+            raise BadRow(row, key, "empty_prompt", f"no text in {prompt!r:.60}")
+        if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+            raise BadRow(row, "reward_model.ground_truth", "missing_key", f"reward_model is {rm!r:.60}")
+        if row.get("data_source") is None:
+            raise BadRow(row, "data_source", "missing_key", "rewards dispatch on it")
+        raw = _render(self.tok, chat, add_generation_prompt=True) if self.apply_chat_template else prompt
+        ids = _encode(self.tok, raw)
+        if len(ids) > self.max_prompt_length:
+            if self.filter_overlong_prompts:
+                self.dropped_overlong += 1
+                return None
+            raise BadRow(
+                row, key, "too_long", f"{len(ids)} tokens > max_prompt_length {self.max_prompt_length}"
+            )
+        return dict(
+            prompt_ids=ids,
+            raw_prompt=raw,
+            data_source=row["data_source"],
+            ground_truth=rm["ground_truth"],
+            extra_info=row.get("extra_info") or {},
+            origin=row.origin,
+        )
+
+
+def _check_prompt_messages(row: Row, key: str) -> list[dict]:
+    msgs = row[key]
+    for j, m in enumerate(msgs):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise BadRow(row, key, "bad_prompt", f"message {j} is not {{role, content}}: {m!r:.60}")
+    return msgs  # as given: a template may use other keys of a message
 
 
 class EpochSampler:

@@ -157,6 +157,9 @@ def test_template_that_rewrites_earlier_turns_is_an_error(tmp_path):
 BAD_ROWS = [
     ({"prompt": "What is 12?"}, "response", "missing_key"),
     ({"prompt": "What is 12?", "response": ""}, "response", "empty_response"),
+    ({"prompt": "", "response": "12"}, "prompt", "empty_prompt"),
+    ({"prompt": " \n", "response": "12"}, "prompt", "empty_prompt"),
+    ({"prompt": "What is 12?", "response": ["12"]}, "response", "not_a_string"),
     ({"prompt": "What is 12?", "response": 12}, "response", "not_a_string"),
     ({"prompt": None, "response": "12"}, "prompt", "missing_key"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no_assistant_turn"),
@@ -176,7 +179,13 @@ def test_skip_bad_rows_counts_reasons(tok, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [good] + [b for b, _, _ in BAD_ROWS] + [good])
     ds = data.SFTDataset(str(path), tok, skip_bad_rows=True)
     assert len(ds) == 2
-    expected = {"missing_key": 2, "empty_response": 1, "not_a_string": 1, "no_assistant_turn": 1}
+    expected = {
+        "missing_key": 2,
+        "empty_response": 1,
+        "empty_prompt": 2,
+        "not_a_string": 2,
+        "no_assistant_turn": 1,
+    }
     assert ds.skipped == expected | {"bad_messages": 1}
 
 
@@ -226,21 +235,77 @@ def test_rl_dataset_verl_schema(tok, tmp_path):
     assert ex["raw_prompt"] == f"<|im_start|>user\nWhat is 12 + 34?{EOS}\n<|im_start|>assistant\n"
     assert ex["prompt_ids"] == enc(tok, ex["raw_prompt"])
     assert (ex["data_source"], ex["ground_truth"], ex["extra_info"]) == ("toy", "46", {"index": 0})
-    with pytest.raises(ValueError, match=r"rl.parquet row 1: key 'prompt': \d+ tokens > 40"):
+    with pytest.raises(
+        ValueError, match=r"rl.parquet row 1: key 'prompt': too_long: \d+ tokens > max_prompt_length 40"
+    ):
         data.RLDataset(str(tmp_path / "rl.parquet"), tok, max_prompt_length=40, filter_overlong_prompts=False)
 
     q = write_jsonl(
         tmp_path / "q.jsonl", [{"data_source": "gsm8k", "question": "What is 1?", "reward_model": rm}]
     )
     plain = data.RLDataset(str(q), tok, prompt_key="question", apply_chat_template=False)[0]
-    with pytest.raises(ValueError, match="rl.parquet row 0: key 'prompt': want a string"):
+    with pytest.raises(ValueError, match="rl.parquet row 0: key 'prompt': bad_prompt: want a string"):
         data.RLDataset(str(tmp_path / "rl.parquet"), tok, apply_chat_template=False)
     assert plain["raw_prompt"] == "What is 1?" and plain["prompt_ids"] == enc(tok, "What is 1?")
     bad = write_jsonl(
         tmp_path / "nogt.jsonl", [rows[0] | {"prompt": "x"}, {"data_source": "t", "prompt": "x"}]
     )
-    with pytest.raises(ValueError, match="nogt.jsonl row 1 \\(line 2\\): key 'reward_model.ground_truth'"):
+    with pytest.raises(
+        ValueError, match="nogt.jsonl row 1 \\(line 2\\): key 'reward_model.ground_truth': missing_key"
+    ):
         data.RLDataset(str(bad), tok)
+
+
+RM = {"style": "rule", "ground_truth": "46"}
+GOOD_RL = {"data_source": "toy", "prompt": [{"role": "user", "content": "What is 1?"}], "reward_model": RM}
+BAD_RL_ROWS = [
+    ({"data_source": "toy", "reward_model": RM}, "prompt", "missing_key"),
+    (GOOD_RL | {"prompt": ""}, "prompt", "empty_prompt"),
+    (GOOD_RL | {"prompt": [{"role": "user", "content": " "}]}, "prompt", "empty_prompt"),
+    (GOOD_RL | {"prompt": 5}, "prompt", "bad_prompt"),
+    (GOOD_RL | {"prompt": []}, "prompt", "bad_prompt"),
+    (GOOD_RL | {"prompt": [{"role": "user"}]}, "prompt", "bad_prompt"),
+    ({"prompt": "What is 1?", "reward_model": RM}, "data_source", "missing_key"),
+    ({"data_source": "toy", "prompt": "What is 1?"}, "reward_model.ground_truth", "missing_key"),
+    (GOOD_RL | {"prompt": "Hello world! " * 20}, "prompt", "too_long"),
+]
+
+
+@pytest.mark.parametrize("bad,key,reason", BAD_RL_ROWS)
+def test_rl_bad_row_error_names_file_row_key(tok, tmp_path, bad, key, reason):
+    path = write_jsonl(tmp_path / "rl.jsonl", [GOOD_RL, bad])
+    with pytest.raises(data.BadRow, match=f"rl.jsonl row 1 \\(line 2\\): key '{key}': {reason}"):
+        data.RLDataset(str(path), tok, max_prompt_length=40, filter_overlong_prompts=False)
+
+
+def test_rl_skip_bad_rows_counts_reasons(tok, tmp_path):
+    path = write_jsonl(tmp_path / "rl.jsonl", [GOOD_RL] + [b for b, _, _ in BAD_RL_ROWS] + [GOOD_RL])
+    ds = data.RLDataset(
+        str(path), tok, max_prompt_length=40, filter_overlong_prompts=False, skip_bad_rows=True
+    )
+    assert len(ds) == 2 and [e["origin"].split()[-1] for e in ds] == ["1)", "11)"]  # lines 1 and 11
+    assert ds.skipped == {"missing_key": 3, "empty_prompt": 2, "bad_prompt": 3, "too_long": 1}
+    filtered = data.RLDataset(str(path), tok, max_prompt_length=40, skip_bad_rows=True)
+    assert len(filtered) == 2 and filtered.dropped_overlong == 1 and sum(filtered.skipped.values()) == 8
+
+
+@pytest.mark.parametrize("kind", ["sft", "rl"])
+def test_not_parquet_empty_file_and_no_usable_rows(tok, tmp_path, kind):
+    make = (
+        (lambda p, **kw: data.SFTDataset(str(p), tok, **kw))
+        if kind == "sft"
+        else (lambda p, **kw: data.RLDataset(str(p), tok, **kw))
+    )
+    (tmp_path / "text.parquet").write_text("prompt,response\n1,2\n")  # a CSV named .parquet
+    with pytest.raises(ValueError, match="text.parquet: not a readable parquet file"):
+        make(tmp_path / "text.parquet")
+    columns = {"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}
+    pq.write_table(pa.table(columns), tmp_path / "empty.parquet")  # a schema and no rows
+    with pytest.raises(ValueError, match="empty.parquet: no rows"):
+        make(tmp_path / "empty.parquet")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "", "response": ""}] * 3)
+    with pytest.raises(ValueError, match="bad.jsonl: no (usable rows|prompts left).*'empty_prompt': 3"):
+        make(bad, skip_bad_rows=True)
 
 
 # ---------------------------------------------------------------- sampler and batching
