@@ -25,8 +25,10 @@ Deviations from verl / TinyZero:
 4. The pool launches workers with `subprocess` (a fresh interpreter, like multiprocessing's "spawn"), not
    multiprocessing: spawn and forkserver re-import the trainer's `__main__` (grpo.py, hence torch and vLLM)
    in every worker. A worker imports only this file, the user's file, and whatever unpickling items needs.
-5. A reward function that prints to stdout scores 0.0 (`reward/errors_print`) unless the pool is built with
-   `print_is_error=False`; its output is swallowed either way, never reaching the trainer's stdout.
+5. A reward function may print, as verl's own scorers do (countdown prints a sample now and then): the call
+   scores normally and is counted in `reward/printed`. Its text never reaches the trainer's stdout, where the
+   console metrics go: it is captured, and the first printing call's text of each batch goes to stderr.
+   `print_is_error=True` makes such a call score 0.0 instead (`reward/errors_print`).
 """
 
 from __future__ import annotations
@@ -391,22 +393,24 @@ def _is_finite_number(x: Any) -> bool:
 
 
 def _score_one(scorer: Callable[[dict], Any], item: dict, print_is_error: bool) -> tuple:
-    """(status, reward, extras, message); status is "ok", "exception", "bad_type" or "print"."""
+    """(status, reward, extras, message); status is "ok", "exception", "bad_type" or "print"; message is the
+    error, or for "ok" what the call printed ("" if nothing)."""
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             result = scorer(item)
     except (Exception, SystemExit) as e:
         return "exception", 0.0, {}, f"{type(e).__name__}: {e}"
-    if print_is_error and out.getvalue():
-        return "print", 0.0, {}, f"printed to stdout: {out.getvalue()[:200]!r}"
+    printed = out.getvalue()
+    if print_is_error and printed:
+        return "print", 0.0, {}, f"printed to stdout: {printed[:200]!r}"
     extras = {}
     if isinstance(result, dict):
         extras = {k: float(v) for k, v in result.items() if k != "score" and _is_finite_number(v)}
         result = result.get("score", "<no 'score' key>")
     if not _is_finite_number(result):
         return "bad_type", 0.0, {}, f"reward is not a finite number: {result!r:.200}"
-    return "ok", float(result), extras, ""
+    return "ok", float(result), extras, printed[:2000]
 
 
 # ---------------------------------------------------------------- the pool
@@ -465,14 +469,15 @@ class RewardPool:
         fn_spec: (path, name) of a custom function (see load_reward_fn), or None for default_compute_score.
         num_workers: worker processes; 0 scores in this process, without a timeout (for debugging).
         timeout_s: per-call limit; a worker past it is killed and replaced, the item scores 0.0.
-        print_is_error: a call that prints to stdout scores 0.0 (deviation 5 in the module docstring).
+        print_is_error: a call that prints to stdout scores 0.0 (deviation 5 in the module docstring); by
+            default it scores normally and is only counted.
     Raises:
         FileNotFoundError / ValueError at construction if the function cannot be loaded, naming the path.
     Not thread-safe: one score() at a time.
     """
 
     def __init__(
-        self, fn_spec: FnSpec, num_workers: int = 4, timeout_s: float = 10.0, print_is_error: bool = True
+        self, fn_spec: FnSpec, num_workers: int = 4, timeout_s: float = 10.0, print_is_error: bool = False
     ):
         self.fn_spec, self.num_workers, self.timeout_s = fn_spec, num_workers, timeout_s
         self.print_is_error = print_is_error
@@ -498,8 +503,9 @@ class RewardPool:
             items: dicts with keys data_source, prompt, response, ground_truth, extra_info.
         Returns:
             (rewards, metrics): one float per item, in order; metrics `reward/errors` (count of failed calls),
-            `reward/errors_{timeout,exception,bad_type,print}`, and `reward/<key>` the mean of each extra
-            numeric key of dict results over the items that returned it.
+            `reward/errors_{timeout,exception,bad_type,print}`, `reward/printed` (calls that printed to
+            stdout, errors or not), and `reward/<key>` the mean of each extra numeric key of dict results over
+            the items that returned it.
         """
         results: list[tuple] = [("exception", 0.0, {}, "not scored")] * len(items)
         if self.num_workers == 0:
@@ -516,7 +522,14 @@ class RewardPool:
                 extras[k].append(v)
         metrics = {"reward/errors": float(sum(errors.values()))}
         metrics |= {f"reward/errors_{k}": float(v) for k, v in errors.items()}
+        printed = [r[3] for r in results if r[0] == "ok" and r[3]]
+        metrics["reward/printed"] = float(len(printed) + errors["print"])
         metrics |= {f"reward/{k}": sum(v) / len(v) for k, v in extras.items()}
+        if printed:  # shown, but on stderr: stdout carries the console metrics
+            print(
+                f"[reward function stdout, 1 of {len(printed)} calls that printed]\n{printed[0]}",
+                file=sys.stderr,
+            )
         if self.last_errors:
             _log.warning(
                 "%d of %d reward calls failed; first: %s",

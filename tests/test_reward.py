@@ -184,6 +184,10 @@ def test_countdown_hostile_strings(tmp_path):
     marker = tmp_path / "pwned"
     hostile = [
         f"__import__('os').system('touch {marker}')",
+        f"__import__('subprocess').run(['touch', '{marker}'])",
+        "9**9**9",
+        "(" * 10_000 + "1" + ")" * 10_000,
+        "((((((((((((((((((((((((((((1))))))))))))))))))))))))))))",  # 28 deep, under 200 characters
         f"(lambda: __import__('os').system('touch {marker}'))()",
         "(1)**999999999",
         "9**9**9**9",
@@ -284,13 +288,17 @@ def mixed(prompt, response):
         raise RuntimeError("boom")
     if kind == "slow":
         time.sleep(30)
+    if kind == "nap":  # slow, but within the timeout
+        time.sleep(0.5)
+        return 7.0
     if kind == "exit":
         sys.exit(3)
     if kind == "crash":
         os._exit(1)
     if kind == "print":
         print("hello from a reward function")
-    return {"str": "1.0", "none": None, "nan": float("nan"), "inf": float("inf")}.get(kind, float(value or 0))
+    bad = {"str": "1.0", "none": None, "nan": float("nan"), "inf": float("inf"), "list": [1.0], "ninf": -float("inf")}
+    return bad.get(kind, float(value or 0))
 
 
 def with_dict(prompt, response):
@@ -361,7 +369,7 @@ MIXED = [
     "ok:0.5",
     "slow",
     "str",
-    "print",
+    "print:4",
     "nan",
     "none",
     "inf",
@@ -369,29 +377,35 @@ MIXED = [
     "ok:2",
     "slow",
     "crash",
+    "nap",
+    "list",
+    "ninf",
 ]
-MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 0, 0, 0, 0, 0, 2.0, 0, 0]
+MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 4.0, 0, 0, 0, 0, 2.0, 0, 0, 7.0, 0, 0]
 
 
 def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
     start = time.perf_counter()
     with RewardPool((rewards_py, "mixed"), num_workers=2, timeout_s=1.0) as pool:
         rewards, metrics = pool.score([_item(r) for r in MIXED])
-        assert rewards == MIXED_REWARDS
+        assert rewards == MIXED_REWARDS  # every other sample keeps its score; the nap within 1 s counts
         assert metrics == {
-            "reward/errors": 10.0,
+            "reward/errors": 11.0,
             "reward/errors_timeout": 2.0,
             "reward/errors_exception": 3.0,  # raise, sys.exit, a worker that died (os._exit)
-            "reward/errors_bad_type": 4.0,  # str, nan, None, inf
-            "reward/errors_print": 1.0,
+            "reward/errors_bad_type": 6.0,  # str, nan, None, inf, [1.0], -inf
+            "reward/errors_print": 0.0,  # printing is fine by default (verl's scorers print)
+            "reward/printed": 1.0,
         }
-        assert len(pool.last_errors) == 10 and any("boom" in m for m in pool.last_errors)
+        assert len(pool.last_errors) == 11 and any("boom" in m for m in pool.last_errors)
         # the killed workers were replaced: the pool still scores, with no errors left over
         rewards, metrics = pool.score([_item(f"ok:{i}") for i in range(6)])
         assert rewards == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and metrics["reward/errors"] == 0.0
     elapsed = time.perf_counter() - start
-    assert elapsed < 8.0, elapsed  # two 30 s sleeps were cut at 1 s each
-    assert "hello from a reward function" not in capfd.readouterr().out
+    assert elapsed < 9.0, elapsed  # two 30 s sleeps were cut at 1 s each
+    out, err = capfd.readouterr()
+    assert "hello from a reward function" not in out  # stdout carries the console metrics
+    assert err.count("hello from a reward function") == 1  # shown once, on stderr
 
 
 def test_pool_in_process_mode(rewards_py, capfd):
@@ -399,8 +413,20 @@ def test_pool_in_process_mode(rewards_py, capfd):
     with RewardPool((rewards_py, "mixed"), num_workers=0) as pool:
         rewards, metrics = pool.score(items)
     assert rewards == [r for r, k in zip(MIXED_REWARDS, MIXED, strict=True) if k not in ("slow", "crash")]
-    assert metrics["reward/errors"] == 7.0 and metrics["reward/errors_timeout"] == 0.0
-    assert metrics["reward/errors_exception"] == 2.0 and metrics["reward/errors_print"] == 1.0
+    assert metrics["reward/errors"] == 8.0 and metrics["reward/errors_timeout"] == 0.0
+    assert metrics["reward/errors_exception"] == 2.0 and metrics["reward/errors_bad_type"] == 6.0
+    assert metrics["reward/printed"] == 1.0 and metrics["reward/errors_print"] == 0.0
+    assert "hello from a reward function" not in capfd.readouterr().out
+
+
+def test_print_is_error_option(rewards_py, capfd):
+    items = [_item("print:4"), _item("ok:1"), _item("print:2")]
+    for workers in (0, 1):
+        with RewardPool((rewards_py, "mixed"), num_workers=workers, print_is_error=True) as pool:
+            rewards, metrics = pool.score(items)
+        assert rewards == [0.0, 1.0, 0.0], workers
+        assert metrics["reward/errors_print"] == 2.0 and metrics["reward/printed"] == 2.0
+        assert "hello from a reward function" in pool.last_errors[0]
     assert "hello from a reward function" not in capfd.readouterr().out
 
 
@@ -410,8 +436,9 @@ def test_pool_dict_extras_default_dispatch_and_options(rewards_py):
     assert rewards == [0.5] * 4 and metrics["reward/acc"] == 0.5 and "reward/tag" not in metrics
     with RewardPool((rewards_py, "bad_dict"), num_workers=0) as pool:
         assert pool.score([_item("a")])[1]["reward/errors_bad_type"] == 1.0
-    with RewardPool((rewards_py, "mixed"), num_workers=1, print_is_error=False) as pool:
-        assert pool.score([_item("print:3")]) == ([3.0], pool.score([_item("ok:1")])[1])
+    with RewardPool((rewards_py, "mixed"), num_workers=1) as pool:
+        rewards, metrics = pool.score([_item("print:3")])
+        assert rewards == [3.0] and metrics["reward/printed"] == 1.0 and metrics["reward/errors"] == 0.0
     items = [
         _item("#### 5", data_source="openai/gsm8k", ground_truth="5"),
         _item(r"\boxed{5}", data_source="HuggingFaceH4/MATH-500", ground_truth="5"),
