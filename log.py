@@ -3,8 +3,11 @@
 `Logger(run_dir, backends, rank=rank, total_steps=N)`, `.log(metrics, step)` once per step, `.close()`.
 Only rank 0 writes; an unknown backend name is an error on every rank, so a typo fails the same everywhere.
 - `jsonl`: appends `{"step": 12, "train/loss": 1.9, ...}` per call to `RUN/metrics.jsonl` (append, so a resumed
-  run keeps one history). Values become floats (tensors via `.item()`); NaN and +-inf are written as `null`,
-  since bare `NaN` is not JSON (it breaks `jq` and strict parsers): null means "no finite value this step".
+  run keeps one history). With `keep_until_step=k` (a run resuming from its step-k checkpoint; -1 for a fresh
+  start) the lines of steps after k, which a crashed run logged past its last checkpoint and this run logs
+  again, are dropped first, with a line cut short by the crash, so each step appears once. Values become
+  floats (tensors via `.item()`); NaN and +-inf are written as `null`, since bare `NaN` is not JSON (it breaks
+  `jq` and strict parsers): null means "no finite value this step".
 - `console`: one plain line per call on stdout (readable when piped to a file, unlike a tqdm bar), e.g.
   `step 12/100 | loss 1.934 | lr 2e-05 | tok/s 1.2e+04 | eta 3m05s`, with the `CONSOLE_KEYS` present;
   ETA = mean wall time per step since the first call x steps left.
@@ -66,6 +69,7 @@ class Logger:
         project: str = "",
         experiment: str = "",
         config: dict | None = None,
+        keep_until_step: int | None = None,
     ) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
@@ -79,6 +83,8 @@ class Logger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in self.backends:
+            if keep_until_step is not None:
+                _drop_lines_after(self.run_dir / "metrics.jsonl", keep_until_step)
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter  # its ImportError says to install tensorboard
@@ -133,6 +139,25 @@ class Logger:
         if self._wandb is not None:
             self._wandb.finish()
         self._jsonl = self._tb = self._wandb = None
+
+
+def _drop_lines_after(path: Path, step: int) -> None:
+    """Rewrites a metrics.jsonl without the lines of steps > `step` or that do not parse (cut by a crash)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        kept += [line] if keep else []
+        dropped += not keep
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+        print(f"{path}: dropped {dropped} lines after step {step}, logged by an interrupted run", flush=True)
 
 
 def _wandb_key_present() -> bool:

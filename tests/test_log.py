@@ -37,6 +37,24 @@ def test_jsonl_lines_parse_back(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["train/loss"] == 0.75
 
 
+def test_resumed_run_drops_lines_after_its_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps({"step": s, "train/loss": 1.0 / (s + 1)}) for s in range(6)]  # step 0 = val before
+    (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "train/lo')  # cut by a SIGKILL
+    logger = log.Logger(run, backends=("jsonl",), keep_until_step=3)  # resumed from global_step_3
+    logger.log({"train/loss": 0.5}, step=4)
+    logger.close()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["train/loss"] == 0.5
+    assert rows[3]["train/loss"] == 0.25
+    assert "dropped 3 lines after step 3" in capsys.readouterr().out
+    log.Logger(run, backends=("jsonl",), rank=1, keep_until_step=-1).close()  # only rank 0 touches the file
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 5
+    log.Logger(run, backends=("jsonl",), keep_until_step=-1).close()  # a fresh start
+    assert (run / "metrics.jsonl").read_text() == ""
+
+
 def test_only_rank0_writes(tmp_path, capsys):
     logger = log.Logger(tmp_path / "run1", backends=("console", "jsonl"), rank=1, total_steps=10)
     logger.log({"train/loss": 1.0}, step=1)
