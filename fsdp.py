@@ -12,8 +12,11 @@
       huggingface/        config, generation config, tokenizer (and lora.json with LoRA), for shard_merge.py
       trainer_state.json  step, data position, scheduler, world size, the resolved config, run info
       rng/rank_R.pt       each rank's RNG states
+      manifest.json       every other file's size in bytes, written last (after every rank finished)
   They are written under `global_step_N.tmp/` and renamed when every rank has finished, so a crash never leaves a
-  half checkpoint that looks complete. DCP reshards on load, so a run saved on W ranks resumes on any number.
+  half checkpoint that looks complete. A checkpoint damaged later (a truncated shard, a deleted file) fails
+  the manifest check: `resolve_resume("auto")` names the bad file and falls back to the newest complete one.
+  DCP reshards on load, so a run saved on W ranks resumes on any number.
 """
 
 from __future__ import annotations
@@ -213,28 +216,93 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+MANIFEST = "manifest.json"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under `run_dir`, oldest first (a `.tmp` folder is an unfinished write)."""
+    """Every `global_step_N/` folder under `run_dir`, oldest first, complete or not (`checkpoint_problem`).
+
+    A `global_step_N.tmp/` folder is an unfinished write and is never listed.
+    """
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if (p / "trainer_state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a complete checkpoint, naming the first bad file; None when it is complete.
+
+    Compares every file against the sizes in manifest.json (a few stat calls, no reading): a missing
+    manifest, a missing file (DCP `.metadata`, a `__R_0.distcp` shard, trainer_state.json, rng/rank_R.pt)
+    or a file of another size (truncated) is reported with its path.
+    """
+    path = Path(path).expanduser()
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing (the write did not finish, or the checkpoint predates manifests)"
+    try:
+        sizes = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+    return None
 
 
 def resolve_resume(run_dir: str | Path, resume_mode: str) -> Path | None:
-    """`auto`: the newest complete checkpoint in run_dir (or None); `disable`: None; else the path given."""
+    """The checkpoint to resume from.
+
+    Args:
+        run_dir: the run folder holding `global_step_N/` checkpoints.
+        resume_mode: `auto`: the newest complete checkpoint in run_dir (None if there is none); an incomplete
+            newer one is skipped with a message naming its bad file. `disable`: None. Else a checkpoint path,
+            which must be complete (no fallback).
+    Returns:
+        the checkpoint folder, or None to start from scratch.
+    Raises:
+        FileNotFoundError / ValueError naming the missing or bad file: a given path that is not a complete
+        checkpoint, or `auto` when checkpoints exist but none is complete (starting over would hide that).
+    """
     if resume_mode == "disable":
         return None
-    if resume_mode == "auto":
-        ckpts = list_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
-    path = Path(resume_mode).expanduser()
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"resume_mode={resume_mode!r}: {path / 'trainer_state.json'} does not exist")
-    return path
+    if resume_mode != "auto":
+        path = Path(resume_mode).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"resume_mode={resume_mode!r}: {path} does not exist")
+        if problem := checkpoint_problem(path):
+            raise ValueError(f"resume_mode={resume_mode!r} is not a complete checkpoint: {problem}")
+        return path
+    ckpts = list_checkpoints(run_dir)
+    skipped = []
+    for ckpt in reversed(ckpts):
+        if problem := checkpoint_problem(ckpt):
+            print0(f"resume: skipping {ckpt.name}: {problem}")
+            skipped.append(ckpt.name)
+            continue
+        if skipped:
+            print0(f"resume: fell back to {ckpt} (newer ones are incomplete: {', '.join(skipped)})")
+        return ckpt
+    if ckpts:
+        raise ValueError(
+            f"no complete checkpoint in {run_dir} ({len(ckpts)} incomplete, see above); "
+            "pass trainer.resume_mode=disable to start over"
+        )
+    return None
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Renames away, then deletes: a crash halfway through never leaves a half-deleted `global_step_N/`."""
+    doomed = path.with_name(path.name + ".old")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -277,12 +345,15 @@ def save_checkpoint(
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
     dist.barrier()
     if rank == 0:
+        # Written last, once every rank's files are closed: sizes to check a later resume against.
+        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(sizes, indent=1))
         if final.exists():
-            shutil.rmtree(final)
+            _remove_checkpoint(final)
         os.replace(tmp, final)
         if keep_last is not None:
             for old in list_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_checkpoint(old)
     dist.barrier()
     return final
 
@@ -293,8 +364,11 @@ def load_checkpoint(
     """Loads model (and optimizer) state saved by `save_checkpoint`, resharding to this job's world size.
 
     Restores this rank's RNG states when the checkpoint has them for this rank. Returns trainer_state.json.
+    Raises ValueError naming the file when the checkpoint is incomplete (see `checkpoint_problem`).
     """
     path = Path(path)
+    if problem := checkpoint_problem(path):
+        raise ValueError(f"cannot load checkpoint {path}: {problem}")
     base = path / prefix if prefix else path
     model_sd = get_model_state_dict(model)
     dcp.load(model_sd, checkpoint_id=str(base / "model"))

@@ -1,4 +1,5 @@
-"""Shared fixtures: the toy model and data (built once per test session), and a torchrun launcher."""
+"""Shared fixtures: the toy model and data (built once per test session), a one-rank process group in the test
+process, and a torchrun launcher."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def toy_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
     toy.build(out)
     return out
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process gloo group in this process (as `python sft.py` makes one), destroyed after the test."""
+    import torch.distributed as dist
+
+    import fsdp
+
+    env = dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield fsdp.init_distributed(timeout_s=120)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
