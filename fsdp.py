@@ -17,6 +17,8 @@
   half checkpoint that looks complete. A checkpoint damaged later (a truncated shard, a deleted file) fails
   the manifest check: `resolve_resume("auto")` names the bad file and falls back to the newest complete one.
   DCP reshards on load, so a run saved on W ranks resumes on any number.
+- `explain_oom`: a CUDA or vLLM out-of-memory error becomes one RuntimeError with the memory numbers and the
+  settings to lower (never a retry).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,6 +214,51 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+# vLLM raises ValueError, not OutOfMemoryError, when the KV cache does not fit
+# (vllm/v1/core/kv_cache_utils.py, vllm/v1/worker/utils.py); these phrases identify those messages.
+_VLLM_OOM_TEXT = ("No available memory for the cache blocks", "KV cache is needed", "Free memory on device")
+
+
+def memory_report() -> str:
+    """This rank's device memory in GiB: allocated, peak allocated, reserved, free and total (CUDA only)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (host memory is not tracked)"
+    gib = 2**30
+    free, total = torch.cuda.mem_get_info()
+    allocated, peak = torch.cuda.memory_allocated() / gib, torch.cuda.max_memory_allocated() / gib
+    return (
+        f"cuda:{torch.cuda.current_device()} allocated {allocated:.2f} GiB, peak {peak:.2f}, "
+        f"reserved {torch.cuda.memory_reserved() / gib:.2f}, free {free / gib:.2f} of {total / gib:.2f}"
+    )
+
+
+@contextmanager
+def explain_oom(what: str, settings: dict[str, Any]) -> Iterator[None]:
+    """Turns an out-of-memory error raised in the block into one RuntimeError that says what to change.
+
+    Catches torch.OutOfMemoryError (CUDA) and vLLM's ValueError when the KV cache does not fit; anything else
+    passes through untouched. It never retries: a retry after an OOM usually fails the same way, slowly.
+
+    Args:
+        what: the phase, for the message (e.g. "sft step 12").
+        settings: {flag: current value} of the settings that decide memory use, e.g.
+            {"data.micro_batch_size_per_gpu": 4, "model.enable_gradient_checkpointing": False}.
+    Raises:
+        RuntimeError: "out of memory in {what} ({memory_report()}); lower a size or turn on a saving:
+            --flag (now value), ...", chained to the original error.
+    """
+    try:
+        yield
+    except (torch.OutOfMemoryError, ValueError) as e:
+        if isinstance(e, ValueError) and not any(t in str(e) for t in _VLLM_OOM_TEXT):
+            raise
+        flags = ", ".join(f"--{k} (now {v})" for k, v in settings.items())
+        raise RuntimeError(
+            f"out of memory in {what} ({memory_report()}); lower a size or turn on a saving: {flags}. "
+            f"Original error: {str(e)[:500]}"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -3,6 +3,11 @@
 Schedule: linear warmup from 0 over `warmup_steps_ratio` of the run, then cosine down to
 `min_lr_ratio * lr`, or constant. The scheduler's state is a plain dict (step count), saved in
 trainer_state.json with each checkpoint.
+
+`SkipGuard` decides, once per optimizer step, whether to take it: a NaN or inf loss or gradient norm skips the
+update (AdamW's moments and step count stay as they were; the schedule still advances, as in verl, which also
+skips the update and steps the scheduler), counts it, and after `max_consecutive` skips in a row tells the
+trainer to save and stop.
 """
 
 from __future__ import annotations
@@ -52,3 +57,43 @@ def build(
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
     return optimizer, scheduler
+
+
+class SkipGuard:
+    """Skips optimizer steps whose loss or gradient norm is not finite; says when too many came in a row.
+
+    Every rank must pass the same numbers (the all-reduced loss and the global gradient norm, which
+    `fsdp.grad_norm_and_clip` returns on every rank), so every rank skips the same steps without talking.
+
+    Args:
+        max_consecutive: `stop` becomes True after this many skipped steps in a row (>= 1).
+    Attributes:
+        skipped: skipped steps since the start of the run (logged as `train/skipped_steps`).
+        consecutive: skipped steps since the last step that was taken.
+    """
+
+    def __init__(self, max_consecutive: int):
+        if max_consecutive < 1:
+            raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive}")
+        self.max_consecutive = max_consecutive
+        self.skipped, self.consecutive = 0, 0
+
+    def take_step(self, loss: float, grad_norm: float) -> bool:
+        """True: call optimizer.step(). False: skip it (counted). Zero the gradients either way."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.consecutive = 0
+            return True
+        self.skipped += 1
+        self.consecutive += 1
+        return False
+
+    @property
+    def stop(self) -> bool:
+        """True once `max_consecutive` steps in a row were skipped: save a checkpoint, then raise."""
+        return self.consecutive >= self.max_consecutive
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped, self.consecutive = int(state["skipped"]), int(state["consecutive"])

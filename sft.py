@@ -17,6 +17,14 @@ Where it deviates from verl's fsdp_sft_trainer:
 3. Padding-free packing (`model.use_remove_padding`) uses a block-diagonal attention mask, which works with
    any attention implementation; no flash-attn needed.
 4. No Ulysses sequence parallelism.
+
+Faults (the README's Reliability section lists each with its test):
+- A step whose loss or gradient norm is NaN/inf does not update the weights (optim.SkipGuard); the
+  learning-rate schedule still advances. `trainer.max_consecutive_skips` in a row stop the run after a
+  checkpoint.
+- A CUDA out-of-memory error in a step stops the run with the memory numbers and the flags to lower.
+- `resume_mode=auto` resumes from the newest complete checkpoint (fsdp.checkpoint_problem) and drops the
+  metrics.jsonl lines an interrupted run logged after it, so a crashed run continues exactly.
 """
 
 from __future__ import annotations
@@ -131,13 +139,17 @@ class TrainerConfig:
     test_freq: int = -1
     """Validation loss every N steps (-1: only before and after training)."""
     resume_mode: str = "auto"
-    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path."""
+    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path.
+    metrics.jsonl keeps the lines up to the step resumed from (none on a fresh start)."""
     max_ckpt_to_keep: int | None = None
     """Keep only this many newest checkpoints (None: all)."""
     seed: int = 0
     """Seed for data order and initialisation."""
     timeout_s: float = 600.0
     """Collective timeout: a dead rank turns into an error on the others after this long."""
+    max_consecutive_skips: int = 5
+    """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/skipped_steps); after this many
+    in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,20 @@ def make_micro_batches(
     return batches
 
 
+def memory_settings(cfg: SFTConfig) -> dict[str, object]:
+    """The flags that decide training memory, with their values, for fsdp.explain_oom's message."""
+    batch = (
+        {"data.max_token_len_per_gpu": cfg.data.max_token_len_per_gpu}
+        if cfg.data.use_dynamic_bsz
+        else {"data.micro_batch_size_per_gpu": cfg.data.micro_batch_size_per_gpu}
+    )
+    return batch | {
+        "data.max_length": cfg.data.max_length,
+        "model.enable_gradient_checkpointing": cfg.model.enable_gradient_checkpointing,
+        "model.fsdp_config.cpu_offload": cfg.model.fsdp_config.cpu_offload,
+    }
+
+
 @torch.no_grad()
 def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device: torch.device) -> float:
     """Mean response-token NLL over the whole validation set (all ranks share the work)."""
@@ -196,13 +222,14 @@ def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device
     nll, n_tok = torch.zeros((), dtype=torch.float64), 0
     indices = list(range(len(ds)))
     step = cfg.data.train_batch_size
-    for start in range(0, len(indices), step):
-        for b in make_micro_batches(
-            ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device
-        ):
-            s, n = response_nll(model, b)
-            nll += s.double().cpu()
-            n_tok += n
+    with fsdp.explain_oom("sft validation", memory_settings(cfg)):
+        for start in range(0, len(indices), step):
+            for b in make_micro_batches(
+                ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device
+            ):
+                s, n = response_nll(model, b)
+                nll += s.double().cpu()
+                n_tok += n
     model.train()
     return fsdp.all_reduce(nll.item()) / max(1.0, fsdp.all_reduce(n_tok))
 
@@ -256,6 +283,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     sampler = data.EpochSampler(len(train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
     optimizer, scheduler = optim.build(model.parameters(), cfg.optim, total_steps)
+    guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
 
     step, results = 0, {}
     resume = fsdp.resolve_resume(run_dir, cfg.trainer.resume_mode)
@@ -263,6 +291,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         state = fsdp.load_checkpoint(resume, model, optimizer)
         sampler.load_state_dict(state["sampler"])
         scheduler.load_state_dict(state["scheduler"])
+        guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
         step, results = state["global_step"], state.get("results", {})
         fsdp.print0(f"resumed from {resume} at step {step}")
 
@@ -274,6 +303,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         project=cfg.trainer.project_name,
         experiment=cfg.trainer.experiment_name,
         config=config.to_dict(cfg),
+        keep_until_step=step if resume is not None else -1,
     )
     if d.is_main:
         log.write_run_files(run_dir, config.to_yaml(cfg))
@@ -285,6 +315,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         state = dict(
             sampler=sampler.state_dict(),
             scheduler=scheduler.state_dict(),
+            skips=guard.state_dict(),
             results=results,
             config=config.to_dict(cfg),
             run_info=log.run_info(),
@@ -305,16 +336,19 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         local_tokens = sum(int(data.shift_labels(b)[1].sum()) for b in batches)
         global_tokens = fsdp.all_reduce(local_tokens)
         nll_sum = 0.0
-        for i, b in enumerate(batches):
-            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-            nll, _ = response_nll(model, b)
-            # FSDP averages gradients over ranks, so scale by world size to get a sum over the global batch.
-            (nll * d.world_size / global_tokens).backward()
-            nll_sum += nll.item()
-        grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with fsdp.explain_oom(f"sft step {step + 1}", memory_settings(cfg)):
+            for i, b in enumerate(batches):
+                model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
+                nll, _ = response_nll(model, b)
+                # FSDP averages gradients over ranks: scale by world size for a sum over the global batch.
+                (nll * d.world_size / global_tokens).backward()
+                nll_sum += nll.item()
+            loss = fsdp.all_reduce(nll_sum) / global_tokens
+            grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
+            lr = scheduler.get_last_lr()[0]
+            if guard.take_step(loss, grad_norm):  # both are global: every rank decides the same
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
         elapsed = time.perf_counter() - t0
@@ -325,8 +359,9 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             )
         )
         metrics = {
-            "train/loss": fsdp.all_reduce(nll_sum) / global_tokens,
+            "train/loss": loss,
             "train/grad_norm": grad_norm,
+            "train/skipped_steps": guard.skipped,
             "train/lr": lr,
             "train/num_tokens": global_tokens,
             "train/epoch": sampler.state_dict()["epoch"],
@@ -340,8 +375,17 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             metrics["val/loss"] = validate(model, val_ds, cfg, d.device)
         logger.log(metrics, step=step)
         results.update({k: v for k, v in metrics.items() if k in ("train/loss", "val/loss")})
-        if last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+        if guard.stop or last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
             checkpoint()
+        if guard.stop:
+            logger.close()
+            n = guard.consecutive
+            raise RuntimeError(
+                f"step {step}: the loss or gradient norm was NaN/inf in the last {n} steps in a row "
+                f"(trainer.max_consecutive_skips={cfg.trainer.max_consecutive_skips}); none of them updated "
+                f"the weights, so {run_dir / f'global_step_{step}'} holds those of step {step - n}. Look at "
+                "the data of those steps or lower optim.lr, then resume from it."
+            )
     logger.close()
     results["global_step"] = step
     return results
