@@ -398,3 +398,31 @@ def test_out_of_memory_in_a_step_is_reported_once(toy_dir, small_sft, tmp_path, 
     assert "Tried to allocate 20.00 GiB" in msg and isinstance(exc.value.__cause__, torch.OutOfMemoryError)
     assert len(calls) == 3  # no retry
     assert [r["step"] for r in read_metrics(run)] == [1]
+
+
+# ------------------------------------------------------------------------------------ dead and hung ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_a_dead_or_hung_rank_is_an_error_within_the_timeout(tmp_path, mode):
+    timeout_s = 4.0
+    log = tmp_path / "log"
+    start = time.monotonic()
+    with open(log, "w") as log_file:
+        procs = launch("tests/dead_rank.py", [mode, str(timeout_s)], log_file)
+        try:
+            procs[0].wait(timeout=120)  # rank 0's exit; rank 1 sleeps on in the hang case
+        finally:
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            for p in procs:
+                p.wait()
+    text = log.read_text()
+    assert procs[0].returncode == 1, text
+    assert text.count("mesh group is the default group: True") == 2, text  # FSDP uses the timed group
+    waited = float(re.search(r"waited ([\d.]+) s", text).group(1))
+    if mode == "hang":
+        assert timeout_s - 0.5 < waited < timeout_s + 5, text
+    else:
+        assert waited < timeout_s + 5, text
+    print(f"{mode}: rank 0 failed after {waited:.2f} s; the job took {time.monotonic() - start:.1f} s")
