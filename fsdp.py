@@ -142,19 +142,28 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
+    value_head: bool = False,
 ) -> nn.Module:
     """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in fp32.
 
     fp32 is the master copy: FSDP2's mixed precision casts to bf16 for compute on GPU.
+    value_head: load the backbone with a scalar head instead of the LM head (PPO's critic, as verl's:
+        AutoModelForTokenClassification with one label, no dropout; the head is newly initialised unless the
+        checkpoint is itself a critic). Its config names that class, so a saved critic reloads as one.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.expanduser(path),
-        dtype=torch.float32,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
+    path = os.path.expanduser(path)
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+    if value_head:
+        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+        config.classifier_dropout = 0.0  # values must be deterministic
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
+        model.config.architectures = [type(model).__name__]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -361,7 +370,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     hf_files: dict[str, Any] | None = None,
     keep_last: int | None = None,
-    prefix: str = "",
+    extra: dict[str, tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]] | None = None,
 ) -> Path:
     """Writes RUN/global_step_N/ from every rank (collective) and returns its path.
 
@@ -370,7 +379,9 @@ def save_checkpoint(
         hf_files: {"config": PretrainedConfig, "tokenizer": tokenizer, "generation_config": ..., "lora": dict}
             saved under huggingface/ by rank 0 so the checkpoint is self-describing for shard_merge.py.
         keep_last: delete older complete checkpoints beyond this many (None keeps all).
-        prefix: sub-folder for a second model in the same checkpoint (PPO's `critic/`); "" for the actor.
+        extra: more models in the same checkpoint, each in its own sub-folder with its model/, optim/ and
+            huggingface/: {"critic": (critic, critic_optimizer, critic_hf_files)} for PPO. `load_checkpoint`
+            with prefix="critic" reads one back, `shard_merge.py --component critic` exports it.
     """
     rank = dist.get_rank()
     run_dir = Path(run_dir).expanduser()
@@ -381,14 +392,17 @@ def save_checkpoint(
             shutil.rmtree(tmp)  # left by a crash during an earlier write of this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    base = tmp / prefix if prefix else tmp
-    dcp.save(get_model_state_dict(model), checkpoint_id=str(base / "model"))
-    if optimizer is not None:
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=str(base / "optim"))
+    parts = {"": (model, optimizer, hf_files or {})} | (extra or {})
+    for prefix, (m, opt, files) in parts.items():
+        base = tmp / prefix if prefix else tmp
+        dcp.save(get_model_state_dict(m), checkpoint_id=str(base / "model"))
+        if opt is not None:
+            dcp.save(get_optimizer_state_dict(m, opt), checkpoint_id=str(base / "optim"))
+        if rank == 0:
+            _save_hf_files(base / "huggingface", files)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
-        _save_hf_files(base / "huggingface", hf_files or {})
         state = dict(trainer_state, global_step=step, world_size=dist.get_world_size())
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
     dist.barrier()

@@ -27,10 +27,11 @@ Deviations from PEFT:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -165,6 +166,50 @@ def merge_lora_state_dict(state_dict: dict[str, Tensor], rank: int, alpha: float
         used |= {base_key, bias_key, ab["A"], ab["B"]}
     merged.update({k: v for k, v in state_dict.items() if k not in used})
     return merged
+
+
+def merged_params(named_params: Iterable[tuple[str, Tensor]], scaling: float) -> Iterator[tuple[str, Tensor]]:
+    """merge_lora_state_dict for a stream of (name, full tensor) pairs, e.g. fsdp.iter_full_params: each LoRA
+    module's merged `<path>.weight` is yielded as soon as its base weight, lora_A and lora_B have passed (they
+    come together, in one module's parameters), so at most one module is held. Other names pass through;
+    `<path>.base_layer.bias` becomes `<path>.bias`. This is how the RL trainers push a LoRA policy into vLLM.
+
+    Args:
+        named_params: (name, tensor) pairs of a model after apply_lora (every lora tensor included).
+        scaling: alpha / rank.
+    """
+    held: dict[str, dict[str, Tensor]] = {}
+    for name, t in named_params:
+        m = _LORA_KEY.match(name)
+        if m is None and name.endswith(".base_layer.weight"):
+            path, part = name.removesuffix(".base_layer.weight"), "W"
+        elif m is not None:
+            path, part = m["path"], m["ab"]
+        else:
+            yield name.replace(".base_layer.bias", ".bias"), t
+            continue
+        parts = held.setdefault(path, {})
+        parts[part] = t
+        if len(parts) == 3:
+            del held[path]
+            delta = (parts["B"].float() @ parts["A"].float()) * scaling  # [out, r] @ [r, in]
+            yield f"{path}.weight", (parts["W"].float() + delta).to(parts["W"].dtype)
+    if held:
+        raise ValueError(f"LoRA modules without all of base weight, lora_A, lora_B: {sorted(held)[:3]}")
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """The base model inside the block: every LoRALinear's update is scaled by 0 (the RL reference policy)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    saved = [m.scaling for m in layers]
+    for m in layers:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(layers, saved, strict=True):
+            m.scaling = s
 
 
 def adapter_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:

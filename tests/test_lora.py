@@ -10,7 +10,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lora import LoRALinear, adapter_state_dict, apply_lora, merge_lora_state_dict, save_adapter
+from lora import (
+    LoRALinear,
+    adapter_state_dict,
+    apply_lora,
+    disabled,
+    merge_lora_state_dict,
+    merged_params,
+    save_adapter,
+)
 
 torch.set_num_threads(2)
 RANK, ALPHA = 4, 8.0
@@ -111,6 +119,22 @@ def test_merged_state_dict_loads_into_plain_model(trained):
     expect = q.base_layer.weight + q.lora_B.weight @ q.lora_A.weight * (ALPHA / RANK)
     assert torch.allclose(merged["model.layers.1.self_attn.q_proj.weight"], expect, atol=1e-6)
     assert torch.equal(merged["model.layers.1.self_attn.q_proj.bias"], q.base_layer.bias)
+
+
+def test_streamed_merge_equals_the_state_dict_merge_and_disabled_is_the_base(trained):
+    """The RL weight push streams named_parameters (a tied lm_head appears once) through merged_params."""
+    base, model, ids, _ = trained
+    streamed = dict(merged_params(((n, p.detach()) for n, p in model.named_parameters()), ALPHA / RANK))
+    merged = merge_lora_state_dict(model.state_dict(), RANK, ALPHA)
+    assert set(streamed) == {n for n, _ in base.named_parameters()}
+    for name, t in streamed.items():
+        assert torch.equal(t, merged[name]), name
+    with disabled(model):
+        assert torch.equal(logits_of(model, ids), logits_of(base, ids))
+    assert (logits_of(model, ids) - logits_of(base, ids)).abs().max().item() > 1e-3  # adapters back on
+    parts = [(n, p) for n, p in model.named_parameters() if "lora_B" not in n]
+    with pytest.raises(ValueError, match="LoRA modules without"):
+        list(merged_params(parts, ALPHA / RANK))
 
 
 def test_merge_keeps_base_dtype_and_accepts_peft_names():

@@ -122,8 +122,9 @@ def test_repository_has_no_unsafe_code():
 
 
 def test_defaults_run_no_foreign_code():
-    import grpo
+    import actor
+    import rl
     import sft
 
-    assert sft.ModelConfig().trust_remote_code is False and grpo.ModelConfig().trust_remote_code is False
-    assert grpo.RewardConfig().path is None  # custom reward code only from a path the user names
+    assert sft.ModelConfig().trust_remote_code is False and actor.ModelConfig().trust_remote_code is False
+    assert rl.RewardConfig().path is None  # custom reward code only from a path the user names

@@ -1,0 +1,366 @@
+"""The policy side of an RL step, shared by grpo.py and ppo.py: its settings, the samples it trains on, the
+logprob passes and the PPO-clip update (verl's dp_actor), and the weight push into the rollout engine.
+
+    policy = actor.load(cfg.model, device)                          # FSDP2-sharded Hugging Face causal LM
+    actor.compute_logprobs(policy, samples, ...)                    # old (and vLLM check) or reference logprobs
+    actor.update_policy(policy, optimizer, guard, samples, ...)     # ppo_epochs x mini-batches x micro-batches
+    actor.push_weights(engine, policy, dtype)                       # one full parameter at a time
+
+A `Sample` is one response with everything the update needs. Its `advantages` is a float (GRPO & co.: one
+advantage for every token of the response) or a [L] tensor (PPO's GAE); `padded` turns either into [S, R].
+The batching helpers (`micro_batch_groups`, `collate`, `response_matrix`, `padded`) also serve ppo.py's critic.
+
+Micro-batches: every rank runs the same number of forward/backward passes (FSDP's collectives pair up), so a
+rank with fewer samples runs an empty pass (one pad token, no loss). Losses are normalised by the token /
+sequence counts of the whole mini-batch on all ranks (losses.agg_loss), so the split into micro-batches and
+ranks does not change the update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+import data
+import fsdp
+import lora
+import losses
+import optim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy (and, frozen, the reference): verl's actor_rollout_ref.model."""
+
+    path: str = "runs/sft_model"
+    """Hugging Face model id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder (a shard_merge.py output)."""
+    trust_remote_code: bool = False
+    """Allow the model folder's own Python code to run (off: a downloaded model must not run code)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation used by the trainer."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    use_remove_padding: bool = True
+    """Pack sequences into one row per micro-batch (no padding tokens computed)."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all weights. With LoRA the reference policy is the base model (adapters off) and
+    the engine receives the merged weights."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
+    """Sharding, mixed precision and offload."""
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy update (verl's actor_rollout_ref.actor)."""
+
+    ppo_mini_batch_size: int = 256
+    """Prompts per optimizer step (times rollout.n responses), over all ranks."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Responses per forward/backward on one rank."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch when use_dynamic_bsz is on (also used for the logprob passes)."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (arXiv:1912.09729)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token losses become one number; normalised over the global mini-batch."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(policy || reference) to the loss (needs the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a '+' suffix takes k2's gradient."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
+    optim: optim.OptimConfig = field(default_factory=lambda: optim.OptimConfig(lr=1e-6))
+    """Optimizer and schedule."""
+
+
+def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:
+    """The model at cfg.path (with a scalar value head for ppo.py's critic), FSDP2-sharded on `device`, and the
+    files a checkpoint needs to describe it (fsdp.save_checkpoint's hf_files)."""
+    model = fsdp.load_model(
+        cfg.path,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+        gradient_checkpointing=cfg.enable_gradient_checkpointing,
+        value_head=value_head,
+    )
+    hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))
+    if cfg.lora_rank > 0 and not value_head:
+        wrapped = lora.apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules)
+        hf_files["lora"] = dict(
+            rank=cfg.lora_rank, alpha=cfg.lora_alpha, base_model_name_or_path=cfg.path,
+            target_modules=sorted({w.rsplit(".", 1)[-1] for w in wrapped}),
+        )  # fmt: skip
+    return fsdp.shard_model(model, device, cfg.fsdp_config), hf_files
+
+
+def load_reference(cfg: ModelConfig, policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The frozen reference policy: with LoRA the policy itself (compute_logprobs(ref=True) turns its adapters
+    off, so no second copy), else a second sharded copy of the starting weights."""
+    if cfg.lora_rank > 0:
+        return policy
+    return load(cfg, device)[0].eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------ samples
+
+
+@dataclass
+class Sample:
+    """One response and everything the update needs about it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # the engine's, at temperature 1
+    finish_reason: str
+    group: int  # index of its prompt in this rank's share of the step's prompts
+    score: float = 0.0
+    advantages: float | torch.Tensor = 0.0  # one value for every token, or [L]
+    old_logprobs: torch.Tensor | None = None  # [L], the trainer's at the sampling temperature
+    ref_logprobs: torch.Tensor | None = None  # [L]
+    values: torch.Tensor | None = None  # [L], the critic's (ppo.py)
+    returns: torch.Tensor | None = None  # [L], the critic's targets (ppo.py)
+
+
+def micro_batch_groups(
+    samples: list[Sample], idx: list[int], micro_batch_size: int, max_token_len: int | None
+) -> list[list[int]]:
+    """Splits samples[idx] into micro-batches (by count, or under a token budget when max_token_len is set);
+    every rank gets the same number of them (an all-reduce)."""
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
+    kw = dict(max_token_len=max_token_len) if max_token_len else dict(micro_batch_size=micro_batch_size)
+    n = int(fsdp.all_reduce(len(data.micro_batches(lengths, **kw)), "max"))
+    return [[idx[j] for j in g] for g in data.micro_batches(lengths, **kw, min_num=n)]
+
+
+def actor_micro_batches(samples: list[Sample], idx: list[int], cfg: ActorConfig) -> list[list[int]]:
+    """micro_batch_groups with the actor's sizes."""
+    budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+    return micro_batch_groups(samples, idx, cfg.ppo_micro_batch_size_per_gpu, budget)
+
+
+def collate(samples: list[Sample], idx: list[int], packed: bool, pad_id: int, device: torch.device) -> dict:
+    """Model inputs for samples[idx] (prompt + response, loss mask on the response); [[pad]] when empty."""
+    if not idx:
+        seqs, masks = [[pad_id]], [[0]]
+    else:
+        seqs = [samples[i].prompt_ids + samples[i].response_ids for i in idx]
+        masks = [[0] * len(samples[i].prompt_ids) + [1] * len(samples[i].response_ids) for i in idx]
+    b = data.pack_batch(seqs, masks) if packed else data.pad_batch(seqs, masks, pad_id)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def response_matrix(values: torch.Tensor, label_mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-token values at the response positions of a micro-batch, as [S, R] (R = longest response).
+
+    values, label_mask: [B, T] from the model (either layout); their masked entries, in row-major order, are
+    the S responses' tokens one after another, which is how collate() laid them out.
+    """
+    flat = values[label_mask.bool()]  # [sum(lengths)]
+    S, R = len(lengths), max(lengths, default=1)
+    lens = torch.tensor(lengths, device=values.device)
+    rows = torch.repeat_interleave(torch.arange(S, device=values.device), lens)
+    cols = torch.arange(flat.numel(), device=values.device) - torch.repeat_interleave(
+        lens.cumsum(0) - lens, lens
+    )
+    out = torch.zeros(S, R, dtype=values.dtype, device=values.device)  # [S, R]
+    out[rows, cols] = flat
+    return out
+
+
+def padded(rows: list[torch.Tensor | list[float] | float], R: int, device: torch.device) -> torch.Tensor:
+    """Right-pads per-sample 1-D values (or broadcasts scalars) into [S, R] float32."""
+    out = torch.zeros(len(rows), R, device=device)
+    for i, r in enumerate(rows):
+        r = torch.as_tensor(r, dtype=torch.float32, device=device)
+        out[i, : (r.numel() if r.dim() else R)] = r
+    return out
+
+
+def mask_of(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[S, R] float mask of S responses of these lengths."""
+    R = max(lengths, default=1)
+    return (torch.arange(R, device=device)[None] < torch.tensor(lengths, device=device)[:, None]).float()
+
+
+# ------------------------------------------------------------------------------------------- passes
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model: torch.nn.Module,
+    samples: list[Sample],
+    cfg: ActorConfig,
+    temperature: float,
+    packed: bool,
+    pad_id: int,
+    device: torch.device,
+    ref: bool = False,
+) -> dict[str, float]:
+    """Fills sample.old_logprobs (and compares the engine's logprobs, measures entropy) or, with ref=True,
+    sample.ref_logprobs (with any LoRA adapters of `model` off: the base model is the reference). No grad.
+
+    Returns (not ref): rollout/logprob_diff_mean, rollout/logprob_diff_max (|trainer - engine| at temperature
+    1, over every sampled token of all ranks), actor/entropy (token mean at the sampling temperature).
+    """
+    diffs, ent_sum, n_tok = [], 0.0, 0
+    for g in actor_micro_batches(samples, list(range(len(samples))), cfg):
+        b = collate(samples, g, packed, pad_id, device)
+        labels, label_mask = data.shift_labels(b)
+        with lora.disabled(model) if ref else contextlib.nullcontext():
+            lp, ent, raw = losses.forward_logprobs(model, b, labels, temperature, with_entropy=not ref)
+        lens = [len(samples[i].response_ids) for i in g]
+        lp_rows = response_matrix(lp, label_mask, lens).cpu()  # [S, R]
+        raw_rows = response_matrix(raw, label_mask, lens).cpu()
+        for j, i in enumerate(g):
+            L = lens[j]
+            if ref:
+                samples[i].ref_logprobs = lp_rows[j, :L]
+                continue
+            samples[i].old_logprobs = lp_rows[j, :L]
+            engine_lp = torch.tensor(samples[i].rollout_logprobs[:L], dtype=torch.float32)
+            if engine_lp.numel() == L:
+                diffs.append((raw_rows[j, :L] - engine_lp).abs())
+        if ent is not None:
+            ent_sum += float((ent * label_mask).sum())
+            n_tok += int(label_mask.sum())
+    if ref:
+        return {}
+    d = torch.cat(diffs) if diffs else torch.zeros(1)
+    tokens = fsdp.all_reduce(d.numel())
+    return {
+        "rollout/logprob_diff_mean": fsdp.all_reduce(float(d.sum())) / max(tokens, 1),
+        "rollout/logprob_diff_max": fsdp.all_reduce(float(d.max()), "max"),
+        "actor/entropy": fsdp.all_reduce(ent_sum) / max(fsdp.all_reduce(n_tok), 1),
+    }
+
+
+def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) -> list[list[int]]:
+    """Indices of samples per mini-batch: `mini_batch_size` prompts over all ranks, this rank's share of them.
+
+    Raises ValueError when the mini-batch does not split into the ranks or divide this rank's prompts.
+    """
+    world = dist.get_world_size()
+    per_rank = mini_batch_size // world  # prompts per mini-batch on this rank
+    if per_rank < 1 or mini_batch_size % world or n_prompts % per_rank:
+        raise ValueError(
+            f"ppo_mini_batch_size={mini_batch_size} must split into {world} ranks and divide "
+            f"data.train_batch_size / world = {n_prompts}"
+        )
+    return [
+        [i for i, s in enumerate(samples) if start <= s.group < start + per_rank]
+        for start in range(0, n_prompts, per_rank)
+    ]
+
+
+def update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    guard: optim.SkipGuard,
+    samples: list[Sample],
+    n_prompts: int,
+    cfg: ActorConfig,
+    temperature: float,
+    packed: bool,
+    pad_id: int,
+    device: torch.device,
+    norm_length: int,
+) -> dict[str, float]:
+    """`cfg.ppo_epochs` passes of PPO-clip (+ KL loss, - entropy bonus) over mini-batches of this rank's samples.
+
+    Args:
+        n_prompts: prompts of this rank's share (sample.group < n_prompts).
+        norm_length: seq-mean-token-sum-norm's constant divisor (the max response length).
+    Returns:
+        actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, (kl_loss), grad_norm, skipped_steps: means
+        over the optimizer steps (token means for the clip fractions and ppo_kl).
+    """
+    world = dist.get_world_size()
+    sums: dict[str, float] = {}
+    grad_norms = []
+    for _ in range(cfg.ppo_epochs):
+        for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size):
+            tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
+            norm = dict(global_tokens=tokens, global_seqs=fsdp.all_reduce(len(idx)), norm_length=norm_length)
+            groups = actor_micro_batches(samples, idx, cfg)
+            loss_sum = 0.0
+            for k, g in enumerate(groups):
+                model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
+                b = collate(samples, g, packed, pad_id, device)
+                labels, label_mask = data.shift_labels(b)
+                lp, ent, _ = losses.forward_logprobs(
+                    model, b, labels, temperature, with_entropy=cfg.entropy_coeff != 0
+                )
+                if not g:  # keeps this rank's collectives in step with the others; contributes 0
+                    (lp.sum() * 0).backward()
+                    continue
+                lens = [len(samples[i].response_ids) for i in g]
+                R = max(lens)
+                lp = response_matrix(lp, label_mask, lens)  # [S, R]
+                mask = mask_of(lens, device)  # [S, R]
+                old = padded([samples[i].old_logprobs for i in g], R, device)
+                adv = padded([samples[i].advantages for i in g], R, device) * mask
+                pg_loss, m = losses.policy_loss(
+                    lp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+                    cfg.loss_agg_mode, **norm,
+                )  # fmt: skip
+                loss = pg_loss
+                share = mask.sum().item() / tokens  # this micro-batch's weight in token-mean metrics
+                acc = {"actor/pg_loss": pg_loss.item()} | {
+                    f"actor/{k}": v.item() * share for k, v in m.items()
+                }
+                if cfg.use_kl_loss:
+                    ref = padded([samples[i].ref_logprobs for i in g], R, device)
+                    kl = losses.agg_loss(
+                        losses.kl_penalty(lp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **norm
+                    )
+                    loss = loss + cfg.kl_loss_coef * kl
+                    acc["actor/kl_loss"] = kl.item()
+                if cfg.entropy_coeff != 0:
+                    entropy = losses.agg_loss(
+                        response_matrix(ent, label_mask, lens), mask, cfg.loss_agg_mode, **norm
+                    )
+                    loss = loss - cfg.entropy_coeff * entropy
+                # FSDP averages gradients over ranks; each rank's loss is its share of the global mean.
+                (loss * world).backward()
+                loss_sum += loss.item()
+                for k, v in acc.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
+            if guard.take_step(fsdp.all_reduce(loss_sum), grad_norm):  # global numbers: all ranks agree
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm)
+    out = {k: fsdp.all_reduce(v) / len(grad_norms) for k, v in sums.items()}
+    out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["actor/skipped_steps"] = guard.skipped
+    return out
+
+
+def push_weights(engine, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Streams the trainer's full parameters into this rank's engine (rollout.Engine), one at a time, LoRA
+    modules merged; every rank calls it together (each parameter is all-gathered)."""
+    params = fsdp.iter_full_params(model, dtype)
+    scaling = next((m.scaling for m in model.modules() if isinstance(m, lora.LoRALinear)), None)
+    engine.push_weights(params if scaling is None else lora.merged_params(params, scaling))

@@ -1,0 +1,482 @@
+"""The RL loop's plumbing, shared by grpo.py and ppo.py (their algorithms stay in their own files).
+
+    run = rl.start(cfg)                               # process group, tokenizer, datasets, sampler, reward pool
+    engine = rl.make_engine(cfg, run)                 # this rank's rollout engine (rollout.py)
+    step, results = rl.resume(run, components, scheduler, guard)
+    prompts, mine = run.next_prompts()                # the step's prompts for this rank's engine
+    prompts, samples, metrics = rl.generate_and_score(run, engine, prompts, mine, step, timer)  # generate, score
+    ...                                               # the algorithm: advantages, logprobs, updates
+    rl.finish_step(run, step, samples, metrics, timer, save)    # metrics, log, checkpoint
+
+- Settings shared by both scripts: `DataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*),
+  `TrainerConfig` (trainer.*). verl's YAML layout (`actor_rollout_ref.{model,actor,rollout}`) is mapped by
+  `verl_layout`.
+- Sampling is seeded per step and rank (`rollout_seed`), so a resumed run draws the same responses as an
+  uninterrupted one given the same weights.
+- Groups never straddle ranks: a prompt's n responses are generated, scored and normalised on one rank. With
+  tensor-parallel rollout the tp ranks of one engine generate their prompts together, then each trains on its
+  own prompts' responses (`Run.next_prompts`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import actor
+import config
+import data
+import fsdp
+import log
+import optim
+import reward
+import rollout
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """RL prompts in verl's schema (data_source, prompt, ability, reward_model, extra_info)."""
+
+    train_files: str | list[str] = "runs/toy/rl/train.parquet"
+    """Parquet or jsonl file(s) of training prompts."""
+    val_files: str | list[str] | None = "runs/toy/rl/val.parquet"
+    """Validation prompts, scored with rollout.val_kwargs (greedy); None disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: chat messages, or a string rendered as one user turn."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; longer ones are dropped and counted (or an error with filter_overlong_prompts off)."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    train_batch_size: int = 1024
+    """Prompts per step, over all ranks (each gets rollout.n responses)."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts over max_prompt_length (counted) instead of stopping with an error."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows with a missing key or an empty or malformed prompt, instead of stopping."""
+    seed: int = 1
+    """Seed of the prompt order."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward function and its worker pool (verl's custom_reward_function)."""
+
+    path: str | None = None
+    """Python file with a custom reward function; None: reward.default_compute_score by data_source."""
+    name: str = "compute_score"
+    """Function name in that file."""
+    num_workers: int = 4
+    """Worker processes scoring in parallel (0: in the trainer's process, no timeout)."""
+    timeout_s: float = 10.0
+    """Per-call limit; a call past it scores 0 and counts in reward/errors."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Loop length, validation, logging, checkpoints."""
+
+    default_local_dir: str = "runs/rl"
+    """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints."""
+    project_name: str = "flatrl"
+    """Project name for tensorboard/wandb."""
+    experiment_name: str = "rl"
+    """Run name for tensorboard/wandb."""
+    total_epochs: int = 1
+    """Passes over the training prompts (ignored when total_training_steps is set)."""
+    total_training_steps: int | None = None
+    """Stop after this many steps."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps (-1: only before and after training)."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Validate once and exit (evaluation of model.path)."""
+    resume_mode: str = "auto"
+    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only this many newest checkpoints (None: all)."""
+    seed: int = 0
+    """Seed of the trainer's RNGs (rollout.seed seeds the sampling, per step and rank: rl.rollout_seed)."""
+    timeout_s: float = 600.0
+    """Collective timeout: a dead rank turns into an error on the others after this long."""
+    max_consecutive_skips: int = 5
+    """Optimizer steps with a NaN/inf loss or gradient norm are skipped (actor/skipped_steps); after this many
+    in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
+
+
+def verl_layout(d: dict) -> dict:
+    """Maps verl's `actor_rollout_ref.{model,actor,rollout,ref}` YAML sections onto ours (a config yaml_hook)."""
+    return config.move_keys(
+        d,
+        {
+            "actor_rollout_ref.model": "model",
+            "actor_rollout_ref.actor": "actor",
+            "actor_rollout_ref.rollout": "rollout",
+            "actor_rollout_ref.ref": None,  # the reference is the initial policy; nothing to configure
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class Run:
+    """What a running RL job holds besides its models (made by `start`)."""
+
+    cfg: Any  # GRPOConfig / PPOConfig: data, model, actor, rollout, custom_reward_function, trainer
+    dist: fsdp.Dist
+    run_dir: Path
+    tokenizer: Any
+    pad_id: int
+    train: data.RLDataset
+    val: data.RLDataset | None
+    sampler: data.EpochSampler
+    total_steps: int
+    pool: reward.RewardPool
+    logger: log.Logger | None = None
+    _batches: Any = None
+
+    @property
+    def push_dtype(self) -> torch.dtype:
+        """Dtype of the pushed weights: the engine's (float32 on CPU, where the trainer is fp32 too)."""
+        return torch.float32 if self.dist.device.type == "cpu" else getattr(torch, self.cfg.rollout.dtype)
+
+    @property
+    def tp(self) -> int:
+        """Ranks per rollout engine (vLLM tensor parallelism): consecutive ranks share one engine's work."""
+        return self.cfg.rollout.tensor_model_parallel_size
+
+    def next_prompts(self) -> tuple[list[dict], slice]:
+        """The next global batch's prompts for this rank's engine, and which of them this rank trains on.
+
+        Each rank trains on its own share of the batch. With tensor-parallel rollout (tp > 1) the tp ranks of
+        an engine must generate together from the same prompts, so they all get their group's shares and each
+        keeps its own slice of the responses; with tp = 1 the slice is everything.
+        """
+        if self._batches is None:
+            self._batches = iter(self.sampler)
+        try:
+            indices = next(self._batches)
+        except StopIteration:  # the sampler moved on to the next epoch
+            self._batches = iter(self.sampler)
+            indices = next(self._batches)
+        rank, world, tp = self.dist.rank, self.dist.world_size, self.tp
+        group = range(rank - rank % tp, rank - rank % tp + tp)
+        shares = [data.split_for_rank(indices, r, world) for r in group]
+        start = sum(len(sh) for sh in shares[: rank % tp])
+        prompts = [self.train[i] for sh in shares for i in sh]
+        return prompts, slice(start, start + len(shares[rank % tp]))
+
+
+def start(cfg: Any) -> Run:
+    """Joins the process group; loads the tokenizer and datasets; starts the reward pool."""
+    from transformers import AutoTokenizer
+
+    d = fsdp.init_distributed(cfg.trainer.timeout_s)
+    fsdp.seed_everything(cfg.trainer.seed)
+    model_path = os.path.expanduser(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ds_kwargs = dict(
+        tokenizer=tokenizer,
+        prompt_key=cfg.data.prompt_key,
+        max_prompt_length=cfg.data.max_prompt_length,
+        apply_chat_template=cfg.data.apply_chat_template,
+        filter_overlong_prompts=cfg.data.filter_overlong_prompts,
+        skip_bad_rows=cfg.data.skip_bad_rows,
+    )
+    train = data.RLDataset(cfg.data.train_files, **ds_kwargs)
+    val = data.RLDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
+    for name, ds in (("train", train), ("val", val)):
+        if ds is not None and (ds.dropped_overlong or ds.skipped):
+            fsdp.print0(
+                f"{name} prompts: {ds.dropped_overlong} over max_prompt_length dropped, skipped {ds.skipped}"
+            )
+    if cfg.data.train_batch_size % d.world_size:
+        raise ValueError(
+            f"data.train_batch_size={cfg.data.train_batch_size} must divide by {d.world_size} ranks"
+        )
+    sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
+    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+    rc = cfg.custom_reward_function
+    pool = reward.RewardPool(
+        (rc.path, rc.name) if rc.path else None, num_workers=rc.num_workers, timeout_s=rc.timeout_s
+    )
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    return Run(cfg, d, run_dir, tokenizer, pad_id, train, val, sampler, total_steps, pool)
+
+
+def memory_settings(cfg: Any) -> dict[str, Any]:
+    """The flags that decide memory in an RL step, with their values, for fsdp.explain_oom's message."""
+    a = cfg.actor
+    batch = (
+        {"actor.ppo_max_token_len_per_gpu": a.ppo_max_token_len_per_gpu}
+        if a.use_dynamic_bsz
+        else {"actor.ppo_micro_batch_size_per_gpu": a.ppo_micro_batch_size_per_gpu}
+    )
+    return batch | {
+        "data.max_response_length": cfg.data.max_response_length,
+        "rollout.gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
+        "model.enable_gradient_checkpointing": cfg.model.enable_gradient_checkpointing,
+        "model.fsdp_config.cpu_offload": cfg.model.fsdp_config.cpu_offload,
+    }
+
+
+def make_engine(cfg: Any, run: Run) -> rollout.Engine:
+    """This rank's rollout engine on model.path (its weights are replaced by the first push)."""
+    with fsdp.explain_oom("rollout engine start", memory_settings(cfg)):
+        return rollout.make_engine(
+            cfg.rollout,
+            os.path.expanduser(cfg.model.path),
+            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            rank=run.dist.rank,
+            world_size=run.dist.world_size,
+        )
+
+
+Components = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None, dict]]
+"""Checkpointed models: {"": (policy, optimizer, hf_files), "critic": (...)}; "" is the top level."""
+
+
+def resume(
+    run: Run, components: Components, scheduler: Any, guard: optim.SkipGuard
+) -> tuple[int, dict, dict]:
+    """Loads the checkpoint trainer.resume_mode points at (if any) and opens the logger.
+
+    Returns (step, results, extra): the step to continue from, the results so far, and the script's own state
+    (e.g. ppo.py's KL coefficient) as `save` wrote it.
+
+    Restores every component's model and optimizer, the data position, the schedule and the skip counters.
+    metrics.jsonl keeps the lines up to the resumed step (an interrupted run may have logged past it).
+    """
+    cfg = run.cfg
+    step, results, extra = 0, {}, {}
+    path = None if cfg.trainer.val_only else fsdp.resolve_resume(run.run_dir, cfg.trainer.resume_mode)
+    if path is not None:
+        for prefix, (model, optimizer, _) in components.items():
+            state = fsdp.load_checkpoint(path, model, optimizer, prefix=prefix)
+        run.sampler.load_state_dict(state["sampler"])
+        scheduler.load_state_dict(state["scheduler"])
+        guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
+        step, results, extra = state["global_step"], state.get("results", {}), state.get("extra", {})
+        fsdp.print0(f"resumed from {path} at step {step}")
+    run.logger = log.Logger(
+        run.run_dir, cfg.trainer.logger, rank=run.dist.rank, total_steps=run.total_steps,
+        project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=config.to_dict(cfg),
+        keep_until_step=step if path is not None else -1,
+    )  # fmt: skip
+    if run.dist.is_main:
+        log.write_run_files(run.run_dir, config.to_yaml(cfg))
+    return step, results, extra
+
+
+def save(
+    run: Run,
+    step: int,
+    components: Components,
+    scheduler: Any,
+    guard: optim.SkipGuard,
+    results: dict,
+    extra: dict | None = None,
+) -> Path:
+    """Writes RUN/global_step_N/ with every component (collective); `extra` is the script's own JSON state."""
+    state = dict(
+        sampler=run.sampler.state_dict(), scheduler=scheduler.state_dict(), skips=guard.state_dict(),
+        results=results, extra=extra or {}, config=config.to_dict(run.cfg), run_info=log.run_info(),
+    )  # fmt: skip
+    parts = {k: (m, opt, files | {"tokenizer": run.tokenizer}) for k, (m, opt, files) in components.items()}
+    model, optimizer, hf_files = parts.pop("")
+    return fsdp.save_checkpoint(
+        run.run_dir, step, model, optimizer, state, hf_files, keep_last=run.cfg.trainer.max_ckpt_to_keep,
+        extra=parts,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ rollouts
+
+
+def rollout_seed(base: int, step: int, rank: int) -> int:
+    """The sampling seed of one rank's rollouts at one step: reproducible, distinct across steps and ranks."""
+    return (base * 1_000_003 + step * 10_007 + rank) % 2**31
+
+
+def generate(
+    engine: rollout.Engine, prompts: list[dict], sampling: rollout.SamplingConfig, max_tokens: int, seed: int
+) -> list[actor.Sample]:
+    """`sampling.n` responses per prompt from this rank's engine, as Samples grouped per prompt."""
+    out = engine.generate([p["prompt_ids"] for p in prompts], sampling, max_tokens, seed=seed)
+    samples = []
+    for o in out:
+        ids = o.response_ids or [0]  # an empty response cannot be scored by logprob; vLLM never returns one
+        samples.append(
+            actor.Sample(
+                prompts[o.prompt_index]["prompt_ids"], ids, o.logprobs, o.finish_reason, o.prompt_index
+            )
+        )
+    return samples
+
+
+def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
+    """Decodes each response, scores it, stores sample.score; returns the pool's reward/errors* metrics."""
+    items = []
+    for s in samples:
+        ex = prompts[s.group]
+        items.append(
+            dict(
+                data_source=ex["data_source"],
+                prompt=ex["raw_prompt"],
+                response=tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                ground_truth=ex["ground_truth"],
+                extra_info=ex["extra_info"],
+            )
+        )
+    scores, metrics = pool.score(items)
+    for s, r in zip(samples, scores, strict=True):
+        s.score = float(r)
+    return metrics
+
+
+def generate_and_score(
+    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, timer: log.Timer
+) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
+    """Generates for `prompts` (engine asleep afterwards), keeps the responses to prompts[mine], scores them.
+
+    Returns (this rank's prompts, their samples with scores and `group` indexing those prompts, reward metrics).
+    """
+    cfg = run.cfg
+    seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
+    with timer("gen"), fsdp.explain_oom(f"step {step + 1} generation", memory_settings(cfg)):
+        samples = generate(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
+        engine.sleep()
+    samples = [s for s in samples if mine.start <= s.group < mine.stop]
+    for s in samples:
+        s.group -= mine.start
+    prompts = prompts[mine]
+    with timer("reward"):
+        metrics = score(run.pool, samples, prompts, run.tokenizer)
+    return prompts, samples, metrics
+
+
+def check_push(metrics: dict[str, float], cfg: rollout.RolloutConfig, step: int) -> None:
+    """Stops the run when the engine's logprobs are not the trainer's: it is not running the trained weights."""
+    if metrics["rollout/logprob_diff_mean"] > cfg.logprob_diff_tol:
+        raise RuntimeError(
+            f"step {step + 1}: vLLM's logprobs differ from the trainer's by "
+            f"{metrics['rollout/logprob_diff_mean']:.4f} on average (> rollout.logprob_diff_tol="
+            f"{cfg.logprob_diff_tol}): the engine is not running the trained weights"
+        )
+
+
+def validate(run: Run, engine: rollout.Engine) -> dict[str, float]:
+    """Responses (rollout.val_kwargs, greedy by default) to every validation prompt; means over all ranks."""
+    cfg, dp_rank, dp_size = run.cfg, run.dist.rank // run.tp, run.dist.world_size // run.tp
+    mine = [run.val[i] for i in range(len(run.val))][dp_rank::dp_size]  # an engine's share (its tp ranks')
+    samples = []
+    if mine:
+        seed = rollout_seed(cfg.rollout.seed, -1, dp_rank)
+        samples = generate(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length, seed)
+    score(run.pool, samples, mine, run.tokenizer)
+    for s in samples[:3]:  # a few generations on the console, so a person can see what is being scored
+        text = run.tokenizer.decode(s.response_ids, skip_special_tokens=True).replace("\n", " | ")
+        fsdp.print0(f"  val sample: {mine[s.group]['raw_prompt'][-40:]!r} -> {text!r} (reward {s.score:g})")
+    w = float(run.dist.rank % run.tp == 0)  # the tp ranks of an engine hold the same responses: count once
+    n = fsdp.all_reduce(w * len(samples))
+    return {
+        "val/reward/mean": fsdp.all_reduce(w * sum(s.score for s in samples)) / max(n, 1),
+        "val/response_length/mean": fsdp.all_reduce(w * sum(len(s.response_ids) for s in samples))
+        / max(n, 1),
+    }
+
+
+def validate_first(run: Run, engine: rollout.Engine, step: int, results: dict) -> bool:
+    """Validation before training (or the whole of val_only); True when the run should stop here."""
+    trainer = run.cfg.trainer
+    if run.val is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
+        metrics = validate(run, engine)
+        results["val/reward/mean_before"] = metrics["val/reward/mean"]
+        results |= metrics
+        run.logger.log(metrics, step=step)
+    return trainer.val_only
+
+
+def rollout_metrics(samples: list[actor.Sample], n: int) -> dict[str, float]:
+    """reward/*, response_length/*, rollout/zero_std_frac over all ranks."""
+    k = fsdp.all_reduce(len(samples))
+    scores = torch.tensor([s.score for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    mean = fsdp.all_reduce(scores.sum().item()) / k
+    var = fsdp.all_reduce(((scores - mean) ** 2).sum().item()) / max(k - 1, 1)
+    grouped = scores.view(-1, n)  # [prompts, n]: samples come grouped per prompt
+    zero_std = float((grouped.max(1).values == grouped.min(1).values).sum())
+    return {
+        "reward/mean": mean,
+        "reward/std": var**0.5,
+        "response_length/mean": fsdp.all_reduce(lengths.sum().item()) / k,
+        "response_length/max": fsdp.all_reduce(lengths.max().item(), "max"),
+        "response_length/clip_ratio": fsdp.all_reduce(sum(s.finish_reason == "length" for s in samples)) / k,
+        "rollout/zero_std_frac": fsdp.all_reduce(zero_std) / (k / n),
+    }
+
+
+def finish_step(
+    run: Run,
+    engine: rollout.Engine,
+    step: int,
+    samples: list[actor.Sample],
+    metrics: dict[str, float],
+    timer: log.Timer,
+    guard: optim.SkipGuard,
+    results: dict,
+    save_fn: Callable[[], Path],
+) -> None:
+    """After the update and the push of step `step` (1-based): validation when due, the step's metrics, the log
+    line, the checkpoint when due; stops the run (after a checkpoint) when too many steps in a row were skipped."""
+    trainer = run.cfg.trainer
+    last = step == run.total_steps
+    if run.val is not None and (last or (trainer.test_freq > 0 and step % trainer.test_freq == 0)):
+        with timer("val"):
+            metrics |= validate(run, engine)
+    metrics |= rollout_metrics(samples, run.cfg.rollout.n)
+    metrics |= timer.pop()
+    n_tokens = fsdp.all_reduce(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+    metrics["perf/throughput"] = n_tokens / metrics["timing_s/step"] / run.dist.world_size
+    if torch.cuda.is_available():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    run.logger.log(metrics, step=step)
+    results |= {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/mean"))}
+    if guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+        path = save_fn()
+        if guard.stop:
+            raise RuntimeError(
+                f"step {step}: the loss or gradient norm was NaN/inf in the last {guard.consecutive} optimizer "
+                f"steps in a row (trainer.max_consecutive_skips={trainer.max_consecutive_skips}); none of them "
+                f"updated the weights, so {path} holds the last good ones. Look at those steps' data or lower "
+                "the learning rate, then resume from it."
+            )
+
+
+def close(run: Run, engine: rollout.Engine | None) -> None:
+    """Flushes the logger, stops the reward workers and the engine (the process group stays for the caller)."""
+    if run.logger is not None:
+        run.logger.close()
+    run.pool.close()
+    if engine is not None:
+        engine.shutdown()
+
+
+def timer() -> log.Timer:
+    """A per-phase timer that waits for queued GPU work before each clock read."""
+    return log.Timer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)

@@ -1,0 +1,105 @@
+"""grpo.py: the advantage estimators by hand and against verl's formulas; end-to-end 2-rank runs on the toy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import grpo
+import losses
+
+torch.set_num_threads(1)
+
+
+def test_grpo_advantages_by_hand():
+    # group 0: scores 1, 0, 0, 1 -> mean 0.5, unbiased std sqrt(1/3); group 1: all 1 (no signal);
+    # group 2: a group of one (no baseline: 0)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.7])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
+    std = math.sqrt(1 / 3)
+    a = 0.5 / (std + 1e-6)
+    want = [a, -a, -a, a, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(grpo.group_advantages(scores, groups), torch.tensor(want))
+    # Dr. GRPO: no division by the std
+    want = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(grpo.group_advantages(scores, groups, norm_by_std=False), torch.tensor(want))
+
+
+def test_rloo_by_hand():
+    # group of 3 with scores 1, 0, 0: 1 - mean(0, 0) = 1; 0 - mean(1, 0) = -0.5 (twice)
+    scores = torch.tensor([1.0, 0.0, 0.0, 5.0])
+    groups = torch.tensor([3, 3, 3, 4])
+    torch.testing.assert_close(grpo.rloo_advantages(scores, groups), torch.tensor([1.0, -0.5, -0.5, 0.0]))
+
+
+def test_reinforce_plus_plus_whitens_over_tokens():
+    # scores 1 (3 tokens) and 0 (1 token): token values 1, 1, 1, 0 -> mean 0.75, unbiased var 0.25
+    adv = grpo.whiten_by_tokens(torch.tensor([1.0, 0.0]), torch.tensor([3, 1]))
+    s = (0.25 + 1e-8) ** 0.5
+    torch.testing.assert_close(adv, torch.tensor([0.25 / s, -0.75 / s]))
+
+
+def verl_grpo(scores: torch.Tensor, index: list[int], norm: bool, eps: float = 1e-6) -> torch.Tensor:
+    """verl's compute_grpo_outcome_advantage, per element (groups of >= 2)."""
+    out = scores.clone()
+    for i in range(len(scores)):
+        same = torch.tensor([scores[j].item() for j in range(len(scores)) if index[j] == index[i]])
+        out[i] = (scores[i] - same.mean()) / (same.std() + eps) if norm else scores[i] - same.mean()
+    return out
+
+
+def verl_rloo(scores: torch.Tensor, index: list[int]) -> torch.Tensor:
+    out = scores.clone()
+    for i in range(len(scores)):
+        same = [scores[j].item() for j in range(len(scores)) if index[j] == index[i]]
+        n = len(same)
+        out[i] = scores[i] * n / (n - 1) - sum(same) / n * n / (n - 1)
+    return out
+
+
+def test_estimators_match_verls_formulas_on_random_groups():
+    g = torch.Generator().manual_seed(0)
+    index = [k for k in range(7) for _ in range(5)]  # 7 prompts x 5 responses
+    scores = torch.randint(0, 3, (35,), generator=g).float() / 2  # ties and zero-variance groups occur
+    groups = torch.tensor(index)
+    for norm in (True, False):
+        torch.testing.assert_close(
+            grpo.group_advantages(scores, groups, norm_by_std=norm),
+            verl_grpo(scores, index, norm),
+            atol=1e-6,
+            rtol=0,
+        )
+    torch.testing.assert_close(
+        grpo.rloo_advantages(scores, groups), verl_rloo(scores, index), atol=1e-6, rtol=0
+    )
+    # REINFORCE++ (outcome reward, gamma 1): every token of a response carries its score, whitened over tokens
+    lengths = torch.randint(1, 9, (35,), generator=g)
+    T = int(lengths.max())
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    token_scores = scores[:, None] * mask
+    verl = losses.masked_whiten(token_scores, mask) * mask  # verl: returns = scores on every token, whitened
+    ours = grpo.whiten_by_tokens(scores, lengths)[:, None] * mask
+    torch.testing.assert_close(ours, verl, atol=1e-6, rtol=0)
+
+
+def test_a_lone_sample_and_an_all_equal_group_give_no_signal():
+    adv = grpo.group_advantages(torch.tensor([3.0, 2.0, 2.0]), torch.tensor([0, 1, 1]))
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+def test_compute_advantages_sets_one_number_per_sample(estimator):
+    import actor
+    import fsdp
+
+    fsdp.init_distributed()  # a one-process group: REINFORCE++ all-reduces its token statistics
+    samples = [
+        actor.Sample([1], [2] * (k + 1), [0.0] * (k + 1), "stop", k // 2, score=float(k % 2))
+        for k in range(4)
+    ]
+    grpo.compute_advantages(samples, grpo.AlgorithmConfig(adv_estimator=estimator))
+    adv = [s.advantages for s in samples]
+    assert all(isinstance(a, float) for a in adv)
+    assert adv[1] > 0 > adv[0] and adv[3] > 0 > adv[2]  # the rewarded response of each pair is preferred

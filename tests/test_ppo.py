@@ -1,0 +1,116 @@
+"""ppo.py's math: GAE against plain loops (verl's formula included), the KL controllers by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import losses
+import ppo
+
+torch.set_num_threads(1)
+
+
+def gae_loop(rewards: list[float], values: list[float], mask: list[int], gamma: float, lam: float):
+    """One sequence, plain Python: GAE over the positions with mask 1 only, in order, then returns."""
+    kept = [t for t, m in enumerate(mask) if m]
+    adv = {}
+    next_value, next_adv = 0.0, 0.0
+    for t in reversed(kept):
+        delta = rewards[t] + gamma * next_value - values[t]
+        next_adv = delta + gamma * lam * next_adv
+        next_value = values[t]
+        adv[t] = next_adv
+    return adv, {t: adv[t] + values[t] for t in kept}
+
+
+def verl_gae_loop(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """verl's original compute_gae_advantage_return (no mask in the recursion), written out per element."""
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        last = 0.0
+        for t in reversed(range(T)):
+            next_value = values[b, t + 1].item() if t < T - 1 else 0.0
+            last = rewards[b, t].item() + gamma * next_value - values[b, t].item() + gamma * lam * last
+            adv[b, t] = last
+    return adv
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_matches_a_plain_loop_with_holes_and_padding(gamma, lam):
+    rng = random.Random(0)
+    B, T = 6, 9
+    rewards = torch.randn(B, T, dtype=torch.float64)
+    values = torch.randn(B, T, dtype=torch.float64)
+    mask = torch.ones(B, T)
+    mask[0, 6:] = 0  # padding at the end
+    mask[1, 2:4] = 0  # a hole in the middle (e.g. tool output inside a multi-turn response)
+    mask[2, [1, 5, 8]] = 0  # holes and the last position
+    mask[3, :] = 0  # nothing at all
+    mask[4, 0] = 0  # starts late
+    for b in range(B):  # padded positions carry junk that must not leak in
+        for t in range(T):
+            if not mask[b, t]:
+                rewards[b, t], values[b, t] = rng.uniform(-50, 50), rng.uniform(-50, 50)
+    adv, ret = ppo.gae_unwhitened(rewards, values, mask, gamma, lam)
+    for b in range(B):
+        want_adv, want_ret = gae_loop(rewards[b].tolist(), values[b].tolist(), mask[b].tolist(), gamma, lam)
+        for t, a in want_adv.items():
+            assert abs(adv[b, t].item() - a) < 1e-9, (b, t)
+            assert abs(ret[b, t].item() - want_ret[t]) < 1e-9, (b, t)
+    # whitened: zero mean, unit (unbiased) variance over the masked tokens
+    w, _ = ppo.gae(rewards, values, mask, gamma, lam)
+    assert abs(losses.masked_mean(w, mask).item()) < 1e-9
+    assert abs(losses.masked_var(w, mask).item() - 1.0) < 1e-6
+
+
+def test_gae_equals_verls_formula_on_end_padded_batches():
+    """With padding only at the end, values zeroed there (as verl's critic output is masked) and rewards 0
+    there, the skip-holes recursion and verl's original one agree to 1e-6, whitening included."""
+    torch.manual_seed(1)
+    B, T = 5, 12
+    lengths = [12, 7, 1, 9, 3]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).double()
+    values = torch.randn(B, T, dtype=torch.float64) * mask
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    rewards[torch.arange(B), torch.tensor(lengths) - 1] = torch.randn(B, dtype=torch.float64)
+    rewards -= 0.01 * torch.rand(B, T, dtype=torch.float64) * mask  # a KL penalty on every token
+    for gamma, lam in [(1.0, 1.0), (0.99, 0.95)]:
+        adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+        ref = verl_gae_loop(rewards, values, gamma, lam)
+        torch.testing.assert_close(ret * mask, (ref + values) * mask, atol=1e-6, rtol=0)
+        torch.testing.assert_close(adv * mask, losses.masked_whiten(ref, mask) * mask, atol=1e-6, rtol=0)
+
+
+def test_gae_outcome_reward_gamma_lambda_one_is_reward_minus_value():
+    # One sequence of 3 tokens, reward 1 at the end, values (0.2, 0.5, 0.9): with gamma = lam = 1 the
+    # advantage at t is the sum of future rewards (1) minus V_t, and every return is 1.
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 0.5, 0.9]])
+    adv, ret = ppo.gae_unwhitened(rewards, values, torch.ones(1, 3), 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.8, 0.5, 0.1]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+    # lam = 0: one-step TD errors r_t + V_{t+1} - V_t = (0.3, 0.4, 0.1)
+    adv, _ = ppo.gae_unwhitened(rewards, values, torch.ones(1, 3), 1.0, 0.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.3, 0.4, 0.1]]))
+
+
+def test_adaptive_kl_controller_by_hand():
+    ctrl = ppo.KLController(ppo.KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=1000))
+    # kl 0.15: error 0.15/0.1 - 1 = 0.5, clipped to 0.2; 100 sequences: 0.2 * (1 + 0.2 * 100/1000) = 0.204
+    ctrl.update(0.15, n_steps=100)
+    assert abs(ctrl.value - 0.204) < 1e-12
+    # kl 0.09: error -0.1; 500 sequences: 0.204 * (1 - 0.1 * 0.5) = 0.1938
+    ctrl.update(0.09, n_steps=500)
+    assert abs(ctrl.value - 0.1938) < 1e-12
+    # kl 0: error -1 clipped to -0.2; 1000 sequences: 0.1938 * 0.8 = 0.15504
+    ctrl.update(0.0, n_steps=1000)
+    assert abs(ctrl.value - 0.15504) < 1e-12
+    fixed = ppo.KLController(ppo.KLControlConfig(type="fixed", kl_coef=0.05))
+    fixed.update(10.0, n_steps=10**6)
+    assert fixed.value == 0.05
+    with pytest.raises(ValueError, match="horizon"):
+        ppo.KLController(ppo.KLControlConfig(type="adaptive", horizon=0))
