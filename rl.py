@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import actor
 import config
@@ -366,8 +367,21 @@ def generate_and_score(
         s.group -= mine.start
     prompts = prompts[mine]
     with timer("reward"):
-        metrics = score(run.pool, samples, prompts, run.tokenizer)
+        metrics = merge_ranks(score(run.pool, samples, prompts, run.tokenizer))
     return prompts, samples, metrics
+
+
+def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """The reward pool's per-rank metrics over all ranks: `reward/errors*` and `reward/printed` counts summed, the
+    means of extra keys averaged over the ranks that have them (ranks may see different keys)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, metrics)
+    out: dict[str, float] = {}
+    for k in sorted({k for m in every for k in m}):
+        values = [m[k] for m in every if k in m]
+        counted = k.startswith(("reward/errors", "reward/printed"))
+        out[k] = sum(values) if counted else sum(values) / len(values)
+    return out
 
 
 def check_push(metrics: dict[str, float], cfg: rollout.RolloutConfig, step: int) -> None:

@@ -3,7 +3,7 @@
 No model hub is reachable on the machines flatrl is tested on, so this script makes everything an
 end-to-end run needs from a seed, byte-identical for the same seed:
 
-    python toy.py --out runs/toy [--seed 0] [--n-train 8000] [--n-val 200]
+    python toy.py --out runs/toy [--seed 0] [--n-train 8000] [--n-val 200] [--direct-frac 0.6]
 
 writes
 
@@ -11,7 +11,8 @@ writes
                           BPE tokenizer trained here (digits always single tokens), a Qwen-style chat
                           template and generation_config.json; loads with AutoTokenizer/AutoModelForCausalLM
                           exactly as Qwen/Qwen2.5-0.5B does.
-    DIR/sft/{train,val}.parquet   string columns `prompt`, `response` (a worked solution ending in `#### N`).
+    DIR/sft/{train,val}.parquet   string columns `prompt`, `response` (a worked solution ending in `#### N`, or
+                                  for a `direct_frac` share of the rows the bare answer line `#### N`).
     DIR/rl/{train,val}.parquet    verl's RL schema: data_source "flatrl/toy", prompt (chat messages), ability,
                                   reward_model {style: "rule", ground_truth}, extra_info {split, index}.
 
@@ -22,14 +23,21 @@ The task is two-digit column addition and subtraction (12,195 problems, 200 held
     4+3+1=8                 5-1-1=3
     #### 85                 #### 35
 
-The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. Sizes were chosen
-by measuring SFT on 2 CPU cores (AdamW, loss on response tokens, batch 32, greedy exact match on val):
-nothing at 100 steps, then a gradual climb; with lr 1e-3 constant ~22% at 300 steps, ~50% at 500, ~95% at
-1,200; sft.py with lr 1e-3, cosine, 500 steps ends at 58% (85% of sums, 21% of differences), leaving GRPO
-room to improve. Digits are single tokens (Qwen2's split regex) and the per-column worked step is what makes
-it learnable at this size: a 4-layer, 256-wide model with multi-digit BPE tokens and no worked step stayed
-at 1% on two-digit addition after 3,000 steps. Every response fits in 26 tokens with `<|im_end|>`, every
-chat-templated prompt in 18.
+The `#### N` line is GSM8K's answer format, so reward.py's gsm8k strict scorer grades it. Digits are single
+tokens (Qwen2's split regex) and the per-column worked step is what makes the task learnable at this size: a
+4-layer, 256-wide model with multi-digit BPE tokens and no worked step stayed at 1% on two-digit addition after
+3,000 SFT steps. Every response fits in 26 tokens with `<|im_end|>`, every chat-templated prompt in 18.
+
+Why RL has something to do (`direct_frac`, default 0.6): 60% of the SFT responses are the bare answer line
+`#### N`, the rest the worked solution, as SFT data mixing short answers and worked solutions often does. The
+SFT model then answers most prompts directly, and a 2-layer model cannot add in one step: measured on 2 CPU cores
+(sft.py, 1,000 steps of 32, lr 1e-3 cosine, 2m40s), greedy decoding picks the bare answer on 96% of the 200 val
+prompts and gets 8% right, while at temperature 1 the worked solutions it samples 41% of the time are right 44%
+of the time (bare answers: 7%). GRPO's reward tells the two styles apart on every prompt, so it learns to work
+the problem out: 30 steps of 32 prompts x 8 took greedy val accuracy from 0.08 to 0.82 (3 minutes), and the
+mean response length from 6 to 20 tokens. With `direct_frac=0` SFT alone reaches 58% after 500 steps and 95%
+after 1,200, and GRPO (tested at lr 1e-5..3e-4, 20-100 steps) did not improve on it: per-step gradients of a
+0.5M-parameter model were too noisy (cosine 0.03-0.3 between batches of 1,024 samples).
 
 Deviations from a real Qwen2.5 checkpoint:
 1. The chat template has no default system message (Qwen2.5 inserts "You are Qwen, ..."): it would be most
@@ -76,6 +84,8 @@ class ToyConfig:
     """Problems in each of sft/train.parquet and rl/train.parquet."""
     n_val: int = 200
     """Problems in sft/val.parquet and rl/val.parquet (the same problems, disjoint from every train problem)."""
+    direct_frac: float = 0.6
+    """Share of SFT responses that are the bare answer `#### N`, without the worked columns (see above)."""
 
 
 Problem = tuple[int, str, int]  # (a, op, b) with op "+" or "-"
@@ -256,8 +266,11 @@ def build(
     seed: int = ToyConfig.seed,
     n_train: int = ToyConfig.n_train,
     n_val: int = ToyConfig.n_val,
+    direct_frac: float = ToyConfig.direct_frac,
 ) -> Path:
     """Write DIR/model, DIR/sft/{train,val}.parquet and DIR/rl/{train,val}.parquet (see module docstring).
+
+    direct_frac: share of SFT rows (train and val) whose response is the bare answer line `#### N`.
 
     Returns:
         The output folder as a Path.
@@ -275,13 +288,15 @@ def build(
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
 
+    style = random.Random(f"{seed}-style")  # its own stream: the problem draw does not depend on direct_frac
     for name, problems in splits.items():
         split = name.split("/")[1]
         rows = []
         for index, problem in enumerate(problems):
             prompt, (solution, answer) = format_prompt(problem), solve(problem)
             if name.startswith("sft"):
-                rows.append({"prompt": prompt, "response": solution})
+                direct = style.random() < direct_frac
+                rows.append({"prompt": prompt, "response": f"#### {answer}" if direct else solution})
             else:
                 rows.append(
                     {
@@ -298,7 +313,7 @@ def build(
 
 def main(cfg: ToyConfig) -> Path:
     """Build the toy model and data from `cfg`."""
-    return build(cfg.out, seed=cfg.seed, n_train=cfg.n_train, n_val=cfg.n_val)
+    return build(cfg.out, seed=cfg.seed, n_train=cfg.n_train, n_val=cfg.n_val, direct_frac=cfg.direct_frac)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make demo: build the offline toy model and task, SFT it on 2 ranks, merge the checkpoint into a Hugging
-# Face folder, GRPO it with colocated vLLM, and report validation accuracy before SFT, after SFT, after GRPO
-# (greedy decoding, the toy's exact-match reward) in runs/demo/summary.json.
+# Face folder, then GRPO and PPO (each from the SFT model) with colocated vLLM, and report validation accuracy
+# before SFT, after SFT, after GRPO and after PPO (greedy decoding, the toy's exact-match reward) in
+# runs/demo/summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -20,4 +21,7 @@ $PY shard_merge.py --ckpt-dir "$(latest runs/demo/sft)" --out runs/demo/sft_mode
 echo "== GRPO from the SFT model"
 $TORCHRUN grpo.py --config configs/grpo_toy.yaml
 $PY shard_merge.py --ckpt-dir "$(latest runs/demo/grpo)" --out runs/demo/grpo_model
+echo "== PPO from the SFT model"
+$TORCHRUN ppo.py --config configs/ppo_toy.yaml
+$PY shard_merge.py --ckpt-dir "$(latest runs/demo/ppo)" --out runs/demo/ppo_model
 $PY scripts/summary.py runs/demo

@@ -114,14 +114,18 @@ def test_parquet_schema_and_splits(built: Path) -> None:
 def test_answers_match_prompts(built: Path) -> None:
     sft = pq.read_table(built / "sft/train.parquet").to_pylist()
     rl = pq.read_table(built / "rl/train.parquet").to_pylist()
-    ops = set()
+    ops, direct = set(), 0
     for row in sft:
         a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", row["prompt"]).groups()
         ops.add(op)
         expected = int(a) + int(b) if op == "+" else int(a) - int(b)
         final = re.findall(r"#### (\-?[0-9\.\,]+)", row["response"])  # verl's gsm8k strict pattern
         assert row["response"].splitlines()[-1] == f"#### {expected}" and final == [str(expected)]
+        lines = row["response"].count("\n")
+        assert lines == 2 or row["response"] == f"#### {expected}"  # worked (3 lines) or the bare answer
+        direct += lines == 0
     assert ops == {"+", "-"}
+    assert abs(direct / len(sft) - toy.ToyConfig.direct_frac) < 0.08, direct / len(sft)  # 300 rows
     for row in rl:
         a, op, b = toy.parse_prompt(row["prompt"][0]["content"])
         assert row["reward_model"]["ground_truth"] == str(a + b if op == "+" else a - b)
