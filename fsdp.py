@@ -386,8 +386,8 @@ class OptimizerOffload:
 
         offload = fsdp.OptimizerOffload(optimizer)
         offload.offload()   # before the engine wakes its KV cache (the weight push)
-        ...                 # generation
-        offload.reload()    # before optimizer.step()
+        ...                 # generation, logprob passes: the state stays on the host
+        optimizer.step()    # reloads first (a hook), as do state_dict() and load_state_dict() (checkpoints)
 
     The host buffers are pinned once and reused: pinning gigabytes costs seconds, a copy ~0.1 s per GB.
     """
@@ -395,9 +395,11 @@ class OptimizerOffload:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.host: list[torch.Tensor] = []  # one host buffer per device state tensor, in state order
-        self.freed: list[
-            tuple[torch.Tensor, int]
-        ] = []  # (device tensor, its storage's bytes) while offloaded
+        self.freed: list[tuple[torch.Tensor, int]] = []  # (device tensor, storage bytes) while offloaded
+        # Whatever reads or writes the state brings it back first, so an offloaded state is never seen empty.
+        optimizer.register_step_pre_hook(lambda *_: self.reload())
+        optimizer.register_state_dict_pre_hook(lambda *_: self.reload())
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self.reload())
 
     def _device_tensors(self) -> list[torch.Tensor]:
         out = []

@@ -216,7 +216,40 @@ def test_gpu_optimizer_offload_round_trip(one_rank):
     used = torch.cuda.memory_allocated()
     offload.offload()
     assert torch.cuda.memory_allocated() <= used - sum(t.numel() * t.element_size() for t in before)
-    offload.reload()
+    opt.state_dict()  # a checkpoint reads the state: the hook brings it back first
     assert all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+    offload.offload()
     model(torch.randn(4, 256, device="cuda")).sum().backward()
-    opt.step()  # the state still works in place
+    opt.step()  # reloads first (hook), then updates the state in place
+    assert not offload.freed and not all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+
+
+# ------------------------------------------------------------------------------------------- rollout
+
+
+@pytest.mark.slow
+def test_per_call_seed_is_reproducible_and_ignore_eos_fixes_lengths(toy_dir):
+    """rollout.per_request_seeds=False: the call's seed decides the draws (same seed, same samples); ignore_eos
+    generates max_tokens for every response."""
+    pytest.importorskip("vllm")
+    cfg = rollout.RolloutConfig(
+        per_request_seeds=False,
+        ignore_eos=True,
+        enforce_eager=True,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.1,
+    )
+    engine = rollout.make_engine(cfg, str(toy_dir / "model"), max_model_len=64)
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        sampling = rollout.SamplingConfig(n=3)
+        a, b = (engine.generate(prompts, sampling, 12, seed=5) for _ in range(2))
+        c = engine.generate(prompts, sampling, 12, seed=6)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        assert [s.response_ids for s in a] != [s.response_ids for s in c]
+        assert all(len(s.response_ids) == 12 and s.finish_reason == "length" for s in a + c)
+        state = torch.get_rng_state()
+        engine.generate(prompts, sampling, 4, seed=7)
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left as it was
+    finally:
+        engine.shutdown()
