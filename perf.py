@@ -285,7 +285,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
 
     trainer, resident    fp32 params 4P/W + AdamW 8P/W (+ fp32 reference 4P/W with a KL loss and no LoRA);
                          gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
-                         with offload_optimizer_in_rollout the AdamW state leaves the device for gen and sync
+                         with offload_optimizer_in_rollout the AdamW state is off the device from the push
+                         until the update's first optimizer step (sync, gen, old_logprob)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
     update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace
@@ -314,7 +315,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     return {
         "gen": base | {"optimizer": rollout_adam, "engine": engine},
         "old_logprob": base
-        | {"optimizer": adam, "engine asleep": asleep, "unsharded": unsharded}
+        | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
         | {"logits": logits_bytes_per_token(shape, False) * T, "kernel": workspace},
         "update": base
         | {"optimizer": adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}

@@ -42,14 +42,20 @@ def layouts(seqs: list[list[int]], masks: list[list[int]], device: torch.device)
     return {k: {n: t.to(device) for n, t in b.items()} for k, b in batches.items()}
 
 
-def logprobs_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Response-token logprobs in sequence order [M] and the flattened gradient of their sum."""
+def forward_backward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """One training pass: response-token logprobs [M] (sequence order), their sum backpropagated."""
     model.zero_grad(set_to_none=True)
     labels, label_mask = data.shift_labels(batch)
     lp, _, _ = losses.forward_logprobs(model, batch, labels)
     (lp * label_mask).sum().backward()
+    return lp[label_mask.bool()].detach().float()
+
+
+def logprobs_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response-token logprobs in sequence order [M] and the flattened gradient of their sum."""
+    lp = forward_backward(model, batch)
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-    return lp[label_mask.bool()].detach().float(), torch.cat([g.float().flatten() for g in grads])
+    return lp, torch.cat([g.float().flatten() for g in grads])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -81,12 +87,12 @@ def run(args: argparse.Namespace) -> dict:
         times = []
         for _ in range(args.repeats):
             with Clock() as c:
-                logprobs_and_grads(model, b)
+                forward_backward(model, b)
             times.append(c.s)
         out.setdefault(name, {})["fwd_bwd_s"] = round(statistics.median(times), 4)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-            logprobs_and_grads(model, b)
+            forward_backward(model, b)
             out[name]["peak_allocated_gib"] = common.gib(torch.cuda.max_memory_allocated())
     out["varlen_speedup_vs_padded"] = out["padded"]["fwd_bwd_s"] / out["varlen"]["fwd_bwd_s"]
     out["varlen_speedup_vs_dense"] = out["dense"]["fwd_bwd_s"] / out["varlen"]["fwd_bwd_s"]

@@ -111,13 +111,38 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
               for k in rows[-1] if k.startswith("timing_s/")}  # fmt: skip
+    memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
+    for r in rows:
+        for k, v in r.items():
+            for what in ("peak_allocated", "peak_reserved", "device_used"):
+                if k.startswith("perf/memory/") and k.endswith(f"_{what}_gb") and v is not None:
+                    m = memory.setdefault(k.removeprefix("perf/memory/").removesuffix(f"_{what}_gb"), {})
+                    m[what] = max(m.get(what, 0.0), v)
     return {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
         "phases_s": phases, "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),
         "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,
         "peak_device_used_gib": peak("_device_used_gb") if torch.cuda.is_available() else None,
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
+        "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model),
     }  # fmt: skip
+
+
+def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
+    """perf.plan's estimate (GiB) per phase for the flatrl run's settings."""
+    from types import SimpleNamespace
+
+    import actor
+    import perf
+    import rollout
+
+    cfg = SimpleNamespace(
+        model=actor.ModelConfig(path=model),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization),
+        data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
+    )
+    return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1).phases.items()}
 
 
 def trl_worker(args: argparse.Namespace) -> None:

@@ -107,6 +107,10 @@ def hardware() -> dict[str, Any]:
     import log
 
     info = log.run_info()
+    if (
+        info["commit"] == "unknown"
+    ):  # a copy of the tree without .git (the GPU machine): run_h200.sh passes it
+        info["commit"], info["dirty"] = os.environ.get("FLATRL_COMMIT", "unknown"), None
     out: dict[str, Any] = {
         "date": info["date"], "commit": info["commit"], "dirty": info["dirty"], "host": platform.node(),
         "python": info["versions"]["python"], "torch": torch.__version__,

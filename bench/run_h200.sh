@@ -2,9 +2,11 @@
 # Every figure of bench/README.md on one H200, in two device calls of under 10 minutes each, after vLLM 0.24 is
 # installed per ../shared/gpu/README.md (three back-to-back calls; this goes in the third or a later one):
 #
-#   call A:  source .gpu3/device_install.sh && bash bench/run_h200.sh 1     # attention, rollout, push (~6 min)
-#   call B:  source .gpu3/device_install.sh && bash bench/run_h200.sh 2     # update, end to end vs TRL (~8 min)
+#   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # ~7 min
+#   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # ~8 min
 #
+# A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
+# 1.5B), end to end against TRL (0.5B). FLATRL_COMMIT goes into every JSON (the device's copy has no .git).
 # (the durations are estimates from the baselines in ../shared/gpu/README.md, not measurements). TRL is
 # optional: carry .gpu_trl/ (bench/build_trl_payload.sh) with call B and it is unpacked into /tmp/site;
 # without it bench_e2e.py reports TRL as skipped. Each bench writes one JSON file under $OUT (6 at most, plus
@@ -33,7 +35,9 @@ run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next b
 if [ "$part" = 1 ]; then
   run attention python3 bench/bench_attention.py --model 0.5b --workdir "$WORK" --out "$OUT/attention.json"
   run rollout python3 bench/bench_rollout.py --model 0.5b --workdir "$WORK" --out "$OUT/rollout_0.5b.json"
-  run push python3 bench/bench_push.py --sizes 0.5b,1.5b --workdir "$WORK" --out "$OUT/push.json"
+  for size in 0.5b 1.5b; do  # one process per engine: a torn-down engine's memory is not reliably freed
+    run push-$size python3 bench/bench_push.py --sizes $size --workdir "$WORK" --out "$OUT/push_$size.json"
+  done
   if python3 -c "import pytest" 2>/dev/null; then  # the CUDA-only tests, where the device has pytest
     run gpu-tests python3 -m pytest -q -m gpu tests/test_perf.py
   fi
@@ -41,7 +45,9 @@ elif [ "$part" = 2 ]; then
   if [ -d .gpu_trl ] && [ ! -d /tmp/site/trl ]; then
     for w in .gpu_trl/*.whl; do python3 -m zipfile -e "$w" /tmp/site/; done
   fi
-  run update python3 bench/bench_update.py --sizes 0.5b,1.5b --workdir "$WORK" --out "$OUT/update.json"
+  for size in 0.5b 1.5b; do
+    run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"
+  done
   run e2e python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --out "$OUT/e2e.json"
 else
   echo "usage: bash bench/run_h200.sh 1|2"; exit 2
