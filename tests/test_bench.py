@@ -52,10 +52,11 @@ def test_bench_attention(tmp_path, work):
 def test_bench_rollout(tmp_path, work):
     r = run_bench("bench_rollout.py", tmp_path, work)
     runs = r["runs"]
-    assert set(runs) == {"bare_n1", "bare_n8", "flatrl_n8", "flatrl_n8_call"}
+    assert set(runs) == {"bare_n1", "bare_n8", "flatrl_n8_call", "flatrl_n8_request"}
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
-    assert runs["flatrl_n8"]["tokens"] == runs["flatrl_n8_call"]["tokens"] == 4 * 2 * 16
-    assert all(v["tok_per_s"] > 0 for v in runs.values()) and r["ratios"]["flatrl_n8_vs_bare_n8"] > 0
+    assert runs["flatrl_n8_call"]["tokens"] == runs["flatrl_n8_request"]["tokens"] == 4 * 2 * 16
+    assert all(v["tok_per_s"] > 0 for v in runs.values()) and r["ratios"]["flatrl_n8_call_vs_bare_n8"] > 0
+    assert r["default"] == "flatrl_n8_call"
     assert r["engine"]["max_num_seqs"] == 16 and r["engine"]["logprobs_mode"] == "raw_logprobs"
 
 
