@@ -167,7 +167,8 @@ def collate(samples: list[Sample], idx: list[int], packed: bool, pad_id: int, de
     else:
         seqs = [samples[i].prompt_ids + samples[i].response_ids for i in idx]
         masks = [[0] * len(samples[i].prompt_ids) + [1] * len(samples[i].response_ids) for i in idx]
-    b = data.pack_batch(seqs, masks) if packed else data.pad_batch(seqs, masks, pad_id)
+    dense = None if device.type == "cuda" else torch.bool  # GPU: no N x N mask (varlen attention)
+    b = data.pack_batch(seqs, masks, mask_dtype=dense) if packed else data.pad_batch(seqs, masks, pad_id)
     return {k: v.to(device) for k, v in b.items()}
 
 

@@ -25,6 +25,10 @@ one of the two collation layouts.
    padded logprobs agree exactly (sdpa bool, eager float). Position ids alone (attention_mask=None) are 0.30
    off under the default use_cache=True (transformers skips its packed-sequence detection when a cache
    exists) and exact with use_cache=False.
+   `pack_batch(mask_dtype=None)` is the GPU layout: no N x N mask, only `cu_seqlens` and `max_seqlen`;
+   `model_inputs` turns it into flash-attention-style keyword arguments (`cu_seq_lens_q`, ...), which
+   fsdp.py's `varlen` attention feeds to torch's variable-length flash kernel (O(N) memory, masked blocks
+   skipped). Any other attention implementation still gets it right from the restarting position ids.
 
 Deviations from verl:
 1. verl's SFT loss mask is aligned with the logits (position t predicts t + 1); ours with the tokens.
@@ -522,32 +526,55 @@ def pad_batch(
 
 
 def pack_batch(
-    seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], mask_dtype: torch.dtype = torch.bool
+    seqs: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    mask_dtype: torch.dtype | None = torch.bool,
 ) -> dict[str, torch.Tensor]:
     """Padding-free batch: the S sequences concatenated into one row of N tokens.
 
     Args:
         mask_dtype: torch.bool (True = attend) for sdpa; a float dtype gives the additive form (0, or the
-            dtype's min where masked) that eager attention needs.
+            dtype's min where masked) that eager attention needs; None builds no N x N mask at all (the
+            variable-length attention layout for GPUs: see `model_inputs`).
     Returns:
         input_ids [1, N] long, position_ids [1, N] long (restarting at 0 per sequence), loss_mask [1, N] float32,
-        cu_seqlens [S + 1] int32 (sequence starts, then N), attention_mask [1, 1, N, N] block-diagonal causal.
+        cu_seqlens [S + 1] int32 (sequence starts, then N), max_seqlen [] long (the longest sequence), and
+        unless mask_dtype is None attention_mask [1, 1, N, N] block-diagonal causal.
     """
     _check_pairs(seqs, masks)
     lens = torch.tensor([len(s) for s in seqs])  # [S]
     n = int(lens.sum())
     seq_id = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [N]
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).int()])  # [S + 1]
-    allowed = (seq_id[:, None] == seq_id[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()  # [N, N]
-    if mask_dtype != torch.bool:
-        allowed = torch.zeros(n, n, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
-    return {
+    out = {
         "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None],  # [1, N]
         "position_ids": (torch.arange(n) - cu_seqlens[:-1].long()[seq_id])[None],  # [1, N]
         "loss_mask": torch.tensor([v for m in masks for v in m], dtype=torch.float32)[None],  # [1, N]
         "cu_seqlens": cu_seqlens,
-        "attention_mask": allowed[None, None],  # [1, 1, N, N]
+        "max_seqlen": lens.max(),  # [], a tensor so that collating moves it with the rest
     }
+    if mask_dtype is None:
+        return out
+    allowed = (seq_id[:, None] == seq_id[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()  # [N, N]
+    if mask_dtype != torch.bool:
+        allowed = torch.zeros(n, n, dtype=mask_dtype).masked_fill(~allowed, torch.finfo(mask_dtype).min)
+    return out | {"attention_mask": allowed[None, None]}  # [1, 1, N, N]
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict:
+    """Keyword arguments for a Hugging Face model's forward on a batch of either layout.
+
+    Padded or packed with its N x N mask: input_ids, attention_mask, position_ids. Packed without the mask
+    (pack_batch(mask_dtype=None)): attention_mask=None plus transformers' flash-attention keyword arguments
+    cu_seq_lens_q/k [S + 1] int32 and max_length_q/k (ints; reading max_seqlen is one device sync per call).
+    """
+    if "attention_mask" in batch:
+        return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
+    return dict(
+        input_ids=batch["input_ids"], attention_mask=None, position_ids=batch["position_ids"],
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+    )  # fmt: skip
 
 
 def shift_labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,6 +168,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         ref = actor.load_reference(cfg.model, policy, device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
+    offload = fsdp.OptimizerOffload(optimizer) if cfg.model.fsdp_config.offload_optimizer_in_rollout else None
     components = {"": (policy, optimizer, hf_files)}
     engine = None
     try:
@@ -198,6 +199,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 scheduler.step()
                 step += 1
                 with timer("sync"), fsdp.explain_oom("weight push", memory):
+                    if offload is not None:  # off the device before the KV cache wakes (back at step())
+                        offload.offload()
                     actor.push_weights(engine, policy, run.push_dtype)
             rl.finish_step(
                 run, engine, step, samples, metrics, timer, guard, results,

@@ -1,6 +1,6 @@
 """Token-level RL math shared by grpo.py and ppo.py, and the chunked logprob/entropy kernels of every trainer.
 
-Plain torch, no torch.distributed, cheap to import. Tensors are [B, T] (B sequences, T response positions),
+Plain torch, no torch.distributed (data.py only for the model's input layout). Tensors are [B, T] (B sequences, T response positions),
 `mask` (float or bool) marks response tokens; the kernels take packed rows [N, V]. Definitions match verl's
 verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py on the same inputs.
 
@@ -21,6 +21,8 @@ Deviations from verl:
 """
 
 import torch
+
+import data
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -313,18 +315,15 @@ def forward_logprobs(
     """The model's per-token logprob of `labels` (and entropy) on a collated batch, padded or packed.
 
     Args:
-        batch: input_ids, attention_mask, position_ids as data.pad_batch / data.pack_batch make them.
+        batch: as data.pad_batch / data.pack_batch make them (a packed batch without its N x N mask runs
+            the model's variable-length attention: data.model_inputs).
         labels: [B, T] next-token ids (data.shift_labels).
     Returns:
         (logprobs [B, T] of softmax(logits / temperature), entropy [B, T] or None, raw_logprobs [B, T] at
         temperature 1 — what vLLM reports, for the weight-push check; the first tensor when temperature is 1).
         All fp32; callers mask them with their label mask.
     """
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-    ).logits  # [B, T, V]
+    logits = model(**data.model_inputs(batch)).logits  # [B, T, V]
     lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
     raw = lp if temperature == 1.0 else token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
     return lp, ent, raw

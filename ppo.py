@@ -249,7 +249,7 @@ def critic_values(
     each response token (aligned as the actor's logprobs)."""
     b = actor.collate(samples, g, packed, pad_id, device)
     _, label_mask = data.shift_labels(b)
-    out = critic(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+    out = critic(**data.model_inputs(b))
     values = out.logits[..., 0].float()  # [B, T]
     if not g:  # an empty pass (one pad token): a [1, 1] zero that still depends on the parameters
         return values[:, :1] * 0

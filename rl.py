@@ -35,6 +35,7 @@ import data
 import fsdp
 import log
 import optim
+import perf
 import reward
 import rollout
 
@@ -114,6 +115,9 @@ class TrainerConfig:
     max_consecutive_skips: int = 5
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped (actor/skipped_steps); after this many
     in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
+    plan: bool = False
+    """Print the memory plan (perf.plan: each phase's estimated device memory next to the device's, and the
+    flag to lower where it does not fit) and exit before loading anything."""
 
 
 def verl_layout(d: dict) -> dict:
@@ -186,6 +190,9 @@ def start(cfg: Any) -> Run:
     from transformers import AutoTokenizer
 
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
+    if cfg.trainer.plan:
+        fsdp.print0(perf.plan(cfg, d.world_size).render())
+        raise SystemExit(0)
     fsdp.seed_everything(cfg.trainer.seed)
     model_path = os.path.expanduser(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -465,10 +472,22 @@ def finish_step(
             metrics |= validate(run, engine)
     metrics |= rollout_metrics(samples, run.cfg.rollout.n)
     metrics |= timer.pop()
-    n_tokens = fsdp.all_reduce(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    n_tokens = fsdp.all_reduce(sum(lengths))
     metrics["perf/throughput"] = n_tokens / metrics["timing_s/step"] / run.dist.world_size
-    if torch.cuda.is_available():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    update_s = metrics.get("timing_s/update", metrics.get("timing_s/update_actor"))
+    if update_s is not None:  # the policy update's MFU (perf.py): 6 x matmul params x tokens trained
+        epochs = run.cfg.actor.ppo_epochs
+        sum_sq = fsdp.all_reduce(sum(n * n for n in lengths))
+        shape = perf.model_shape(run.cfg.model.path)
+        metrics |= perf.update_metrics(
+            shape, epochs * n_tokens, epochs * sum_sq, update_s, run.dist.world_size
+        )
+    peaks = [
+        v for k, v in metrics.items() if k.startswith("perf/memory/") and k.endswith("_peak_allocated_gb")
+    ]
+    if peaks:  # this step's peak: PhaseTimer resets the counters at every phase boundary
+        metrics["perf/max_memory_allocated_gb"] = max(peaks)
     run.logger.log(metrics, step=step)
     results |= {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/mean"))}
     if guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
@@ -492,5 +511,6 @@ def close(run: Run, engine: rollout.Engine | None) -> None:
 
 
 def timer() -> log.Timer:
-    """A per-phase timer that waits for queued GPU work before each clock read."""
-    return log.Timer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    """A per-phase timer that waits for queued GPU work before each clock read and records each phase's CUDA
+    memory (perf.PhaseTimer)."""
+    return perf.PhaseTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)

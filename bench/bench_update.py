@@ -1,0 +1,165 @@
+"""Policy update throughput: actor.update_policy packed (use_remove_padding + use_dynamic_bsz) against padded.
+
+The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW), GRPO samples of random tokens:
+`--num-prompts` x n responses, prompts of `--prompt-len` tokens, responses 50/50 `--short-len` and
+`--long-len` tokens (drawn per response, seeded), advantages +-1. Per mode, one warm-up update, then
+`--steps` timed updates (`--mini-batches` optimizer steps each), and one timed old-logprob pass
+(actor.compute_logprobs, forward only):
+
+    packed   model.use_remove_padding, actor.use_dynamic_bsz, ppo_max_token_len_per_gpu=--token-budget:
+             one [1, N] row per micro-batch, varlen attention on GPU (fsdp.VARLEN)
+    padded   right-padded [B, T] micro-batches of --micro-batch-size responses (sdpa with a padding mask)
+
+Figures: trained tokens (prompt + response, padding not counted) per second; MFU = 6 x matmul params x tokens
+/ seconds / 989 TFLOP/s (perf.py), also against the 787 TFLOP/s an 8192^3 bf16 matmul reaches on the H200;
+peak CUDA memory; perf.plan's update-phase estimate for the packed run next to its measured peak.
+
+    python bench/bench_update.py --sizes 0.5b,1.5b --out $OUT/update.json      # H200: ~3 min
+    python bench/bench_update.py --toy --out /tmp/update_toy.json               # CPU: ~30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import tempfile
+from types import SimpleNamespace
+
+import common
+import torch
+from common import Clock
+
+import actor
+import fsdp
+import optim
+import perf
+import rollout
+
+
+def make_samples(args: argparse.Namespace, vocab: int) -> list[actor.Sample]:
+    """num_prompts x n samples, grouped per prompt, responses short or long at random (seeded)."""
+    rng = random.Random(0)
+    prompts = common.random_prompts(args.num_prompts, args.prompt_len, vocab)
+    samples = []
+    for g, p in enumerate(prompts):
+        for _ in range(args.n):
+            L = args.short_len if rng.random() < 0.5 else args.long_len
+            ids = [rng.randrange(min(300, vocab // 2), vocab) for _ in range(L)]
+            samples.append(actor.Sample(p, ids, [0.0] * L, "length", g, advantages=rng.choice([-1.0, 1.0])))
+    return samples
+
+
+def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
+    """Warm-up + timed updates + one timed old-logprob pass in one layout; figures of the timed part."""
+    cfg = actor.ActorConfig(
+        ppo_mini_batch_size=args.num_prompts // args.mini_batches, use_dynamic_bsz=packed,
+        ppo_max_token_len_per_gpu=args.token_budget, ppo_micro_batch_size_per_gpu=args.micro_batch_size,
+    )  # fmt: skip
+    guard = optim.SkipGuard(10**6)
+    update = lambda: actor.update_policy(  # noqa: E731
+        policy, optimizer, guard, samples, args.num_prompts, cfg, 1.0, packed, 0, device, args.long_len
+    )
+    actor.compute_logprobs(policy, samples, cfg, 1.0, packed, 0, device)  # sets old_logprobs
+    update()  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with Clock() as c:
+        for _ in range(args.steps):
+            update()
+    with Clock() as lp:
+        actor.compute_logprobs(policy, samples, cfg, 1.0, packed, 0, device)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    tokens = args.steps * sum(lengths)
+    shape = perf.model_shape(args.path)
+    m = perf.update_metrics(shape, tokens, args.steps * sum(n * n for n in lengths), c.s, 1)
+    out = {
+        "seconds": round(c.s, 3), "tokens": tokens, "tok_per_s": tokens / c.s, "mfu": m["perf/mfu"],
+        "mfu_vs_matmul_peak": m["perf/mfu"] * perf.PEAK_FLOPS / perf.MATMUL_FLOPS_H200,
+        "mfu_attn": m["perf/mfu_attn"], "old_logprob_tok_per_s": sum(lengths) / lp.s,
+        "micro_batches": len(actor.actor_micro_batches(samples, list(range(len(samples))), cfg)),
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        out |= {
+            "peak_allocated_gib": common.gib(torch.cuda.max_memory_allocated()),
+            "peak_reserved_gib": common.gib(torch.cuda.max_memory_reserved()),
+        }
+    return out
+
+
+def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> dict:
+    """packed and padded runs of one model size, and the plan of the packed one."""
+    args.path = str(common.build_model(size, f"{work}/{size}"))
+    model_cfg = actor.ModelConfig(path=args.path)
+    policy, _ = actor.load(model_cfg, d.device)
+    optimizer, _ = optim.build(policy.parameters(), actor.ActorConfig().optim, total_steps=100)
+    samples = make_samples(args, perf.model_shape(args.path).vocab)
+    out: dict = {"attn_implementation": policy.config._attn_implementation}
+    for mode in args.modes.split(","):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        out[mode] = run_mode(policy, optimizer, samples, args, mode == "packed", d.device)
+        print(size, mode, out[mode], flush=True)
+    if "packed" in out and "padded" in out:
+        out["packed_vs_padded"] = out["packed"]["tok_per_s"] / out["padded"]["tok_per_s"]
+    plan_cfg = SimpleNamespace(
+        model=model_cfg, rollout=rollout.RolloutConfig(),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
+        data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.long_len),
+    )  # fmt: skip
+    update = perf.plan(plan_cfg, 1).phases["update"]
+    estimate = sum(v for k, v in update.items() if k not in ("engine asleep", "cuda context"))
+    out["plan_update_gib"] = common.gib(estimate)  # no engine here: its share is left out
+    if "peak_allocated_gib" in out.get("packed", {}):
+        out["plan_vs_measured_peak_allocated"] = out["plan_update_gib"] / out["packed"]["peak_allocated_gib"]
+    return out
+
+
+def main(args: argparse.Namespace) -> dict:
+    d = fsdp.init_distributed()
+    work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
+    sizes = {}
+    for size in args.sizes.split(","):
+        sizes[size] = bench_size(size, args, d, work)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    settings = {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "short_len", "long_len")}
+    settings |= {k: getattr(args, k) for k in ("token_budget", "micro_batch_size", "steps", "mini_batches")}
+    result = {
+        "bench": "update",
+        "sizes": sizes,
+        "settings": settings,
+        "targets": {"packed_vs_padded": 1.5, "1.5b packed mfu": 0.35},
+        "reference": "plain transformers step, sdpa, 32 x 768 uniform, 0.5B: 84k tok/s, MFU 0.25",
+        "hardware": common.hardware(),
+    }
+    return common.emit(result, args.out)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: toy, 0.5b, 1.5b")
+    p.add_argument("--toy", action="store_true", help="CPU smoke run on the toy model")
+    p.add_argument("--modes", default="packed,padded")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--short-len", type=int, default=64)
+    p.add_argument("--long-len", type=int, default=512)
+    p.add_argument("--token-budget", type=int, default=16384, help="packed: tokens per micro-batch")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="padded: responses per micro-batch")
+    p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per update")
+    p.add_argument("--steps", type=int, default=2, help="timed updates per mode")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.toy:
+        args.sizes, args.num_prompts, args.n, args.prompt_len = "toy", 4, 4, 8
+        args.short_len, args.long_len, args.token_budget, args.micro_batch_size, args.steps = 4, 24, 64, 4, 1
+    return args
+
+
+if __name__ == "__main__":
+    main(parse())

@@ -1,0 +1,168 @@
+"""What every bench script shares: the benchmark models, the hardware record, the one-line JSON result.
+
+Models (`--model`): `toy` is toy.py's tiny Qwen2 (CPU, seconds); `0.5b` and `1.5b` are random-initialised
+Qwen2.5-0.5B / -1.5B shapes (the real config.json sizes, tied embeddings, bf16 weights), built on the fly: no hub.
+Their tokenizer is byte-level BPE without merges over the model's 151,936 ids (the 256 bytes encode, every other
+id decodes to a placeholder), so `AutoTokenizer` (which turns any qwen2 folder into Qwen2Tokenizer) round-trips
+it, every id the model samples decodes, and a prompt of k ASCII letters is exactly k tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # bench scripts run as `python bench/x.py`: the repo's modules sit one level up
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960),
+}  # fmt: skip
+VOCAB = 151936
+SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}  # Qwen2.5's ids
+
+
+def make_tokenizer(vocab_size: int = VOCAB):
+    """Byte-level BPE with no merges over `vocab_size` ids, in Qwen2's pipeline (see the module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import toy
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    specials = {k: v for k, v in SPECIALS.items() if v < vocab_size}
+    taken = set(specials.values())
+    vocab |= {f"x{i}": i for i in range(len(vocab), vocab_size) if i not in taken} | specials
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(toy.QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(k, special=True) for k in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def build_model(size: str, out: Path, device: str | None = None) -> Path:
+    """The benchmark model `size` (toy, 0.5b, 1.5b) saved under `out` (reused when already there).
+
+    Returns the model folder: config.json, safetensors, generation_config.json, tokenizer.
+    """
+    out = Path(out)
+    if size == "toy":
+        import toy
+
+        if not (out / "model" / "config.json").is_file():
+            toy.build(out, n_train=64, n_val=8)
+        return out / "model"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=SPECIALS["<|im_end|>"], pad_token_id=SPECIALS["<|endoftext|>"],
+        use_sliding_window=False, dtype="bfloat16", **SHAPES[size],
+    )  # fmt: skip
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 1.5B parameters on the GPU takes a second, on a CPU minutes
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
+    model.save_pretrained(out)
+    make_tokenizer().save_pretrained(out)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` token ids drawn uniformly from [300, vocab) (no special ids), reproducible."""
+    rng = random.Random(seed)
+    lo = min(300, vocab // 2)
+    return [[rng.randrange(lo, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def hardware() -> dict[str, Any]:
+    """The machine the figures come from: GPU (name, memory, count) or CPU, and library versions."""
+    import log
+
+    info = log.run_info()
+    if (
+        info["commit"] == "unknown"
+    ):  # a copy of the tree without .git (the GPU machine): run_h200.sh passes it
+        info["commit"], info["dirty"] = os.environ.get("FLATRL_COMMIT", "unknown"), None
+    out: dict[str, Any] = {
+        "date": info["date"], "commit": info["commit"], "dirty": info["dirty"], "host": platform.node(),
+        "python": info["versions"]["python"], "torch": torch.__version__,
+        "transformers": info["versions"]["transformers"], "vllm": info["versions"]["vllm"],
+    }  # fmt: skip
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1)}
+        out["gpu_count"] = torch.cuda.device_count()
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            )  # fmt: skip
+            out["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            out["driver"] = None
+    else:
+        out |= {"gpu": None, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    return out
+
+
+def emit(result: dict[str, Any], out: str | None) -> dict[str, Any]:
+    """Prints `result` as one JSON line (and writes it to `out`); returns it."""
+    line = json.dumps(result, default=float)
+    print(line, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(line + "\n")
+    return result
+
+
+class Clock:
+    """Wall seconds of a block, after the GPU's queued work: `with Clock() as c: ...; c.s`."""
+
+    def __enter__(self) -> Clock:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.s = time.perf_counter() - self.t0
+
+
+def gib(n: float) -> float:
+    """Bytes -> GiB, rounded to 3 decimals."""
+    return round(n / 2**30, 3)
+
+
+def now() -> str:
+    """UTC time, for file names and logs."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every figure of bench/README.md on one H200, in two device calls of under 10 minutes each, after vLLM 0.24 is
+# installed per ../shared/gpu/README.md (three back-to-back calls; this goes in the third or a later one):
+#
+#   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # ~7 min
+#   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # ~8 min
+#
+# A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
+# 1.5B), end to end against TRL (0.5B). FLATRL_COMMIT goes into every JSON (the device's copy has no .git).
+# (the durations are estimates from the baselines in ../shared/gpu/README.md, not measurements). TRL is
+# optional: carry .gpu_trl/ (bench/build_trl_payload.sh) with call B and it is unpacked into /tmp/site;
+# without it bench_e2e.py reports TRL as skipped. Each bench writes one JSON file under $OUT (6 at most, plus
+# this script's log), so the files come back even when a later bench fails or the call runs out of time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-1}
+OUT=${OUT:-/tmp/flatrl-bench-out}
+WORK=/tmp/flatrl-bench            # models are built once per machine and reused by later calls
+mkdir -p "$OUT" "$WORK"
+log="$OUT/run_h200_part$part.log"
+exec > >(tee -a "$log") 2>&1
+echo "== run_h200.sh part $part, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next bench still runs
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" || echo "== $name FAILED (exit $?)"
+  echo "== $name took $((SECONDS - t0)) s"
+}
+
+if [ "$part" = 1 ]; then
+  run attention python3 bench/bench_attention.py --model 0.5b --workdir "$WORK" --out "$OUT/attention.json"
+  run rollout python3 bench/bench_rollout.py --model 0.5b --workdir "$WORK" --out "$OUT/rollout_0.5b.json"
+  for size in 0.5b 1.5b; do  # one process per engine: a torn-down engine's memory is not reliably freed
+    run push-$size python3 bench/bench_push.py --sizes $size --workdir "$WORK" --out "$OUT/push_$size.json"
+  done
+  if python3 -c "import pytest" 2>/dev/null; then  # the CUDA-only tests, where the device has pytest
+    run gpu-tests python3 -m pytest -q -m gpu tests/test_perf.py
+  fi
+elif [ "$part" = 2 ]; then
+  if [ -d .gpu_trl ] && [ ! -d /tmp/site/trl ]; then
+    for w in .gpu_trl/*.whl; do python3 -m zipfile -e "$w" /tmp/site/; done
+  fi
+  for size in 0.5b 1.5b; do
+    run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"
+  done
+  run e2e python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --out "$OUT/e2e.json"
+else
+  echo "usage: bash bench/run_h200.sh 1|2"; exit 2
+fi
+echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

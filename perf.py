@@ -1,0 +1,354 @@
+"""Performance accounting shared by the RL scripts and bench/: FLOPs and MFU, per-phase memory, the memory plan.
+
+FLOPs of a decoder-only transformer (Qwen2 / Llama layout), for one token trained (forward + backward):
+
+    matmul_params = layers * (H*Dq + 2*H*Dkv + Dq*H + 3*H*I) + V*H      (q, k, v, o, gate/up/down, lm_head)
+    train_flops_per_token = 6 * matmul_params                            (2 forward + 4 backward per weight)
+    attention_train_flops = 6 * layers * Dq * sum_i L_i^2                (QK^T and AV, causal: half of L_i^2)
+
+with H = hidden size, Dq = heads * head_dim, Dkv = kv_heads * head_dim, I = intermediate size, V = vocabulary,
+L_i the length of sequence i. matmul_params is the "6 x params" of the issue for tied embeddings (the embedding
+matrix is counted once, as the lm_head it also is; a lookup costs no FLOPs) and the non-embedding parameters
+plus the lm_head otherwise. Biases and norms are left out (< 0.1%). Recomputation under gradient checkpointing
+is not counted (this is model FLOPs, not hardware FLOPs), nor is a LoRA run's smaller backward.
+
+    MFU = train FLOPs / seconds / PEAK_FLOPS      PEAK_FLOPS = 989e12 (H100/H200 SXM dense bf16)
+
+always against 989 TFLOP/s, whatever the device, so numbers compare across machines (on CPU they are tiny).
+`perf/mfu` (rl.finish_step) is the policy update's: 6 * matmul_params * the tokens it trained (prompt +
+response, times ppo_epochs, all ranks) / its seconds / world size / PEAK_FLOPS; `perf/mfu_attn` adds the
+attention term; `perf/update_tokens_per_s` is those tokens / seconds / world size.
+
+`PhaseTimer` is log.Timer plus the CUDA memory of each phase: `perf/memory/<phase>_peak_allocated_gb` and
+`_peak_reserved_gb` (the peak within the phase, nested phases included: the counters are reset at every phase
+boundary and folded into each open phase) and `_device_used_gb` (total minus free at the phase's end, which
+also sees memory outside torch's allocator: the CUDA context, NCCL, vLLM's non-torch buffers).
+
+`plan(cfg)` is the memory preflight (`--trainer.plan`): per phase (gen, old_logprob, update, sync) the bytes of
+the trainer's parameters, gradients, optimizer state, reference model, activations and logits, and the
+engine's weights and KV cache, estimated from the model's config.json and the run's settings, next to the
+device's memory, with the flags that lower the phase that does not fit. Its formulas are in `_plan_phases`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import log
+
+PEAK_FLOPS = 989e12
+"""Dense bf16 tensor-core peak of an H100/H200 SXM (NVIDIA's datasheet figure without sparsity), FLOP/s."""
+MATMUL_FLOPS_H200 = 787e12
+"""What a bf16 8192^3 matmul reached on the lent H200 (../shared/gpu/README.md): the practical ceiling."""
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------- FLOPs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that FLOPs and memory depend on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelShape:
+        """From a Hugging Face config (Qwen2, Llama, Mistral layouts)."""
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )  # fmt: skip
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's linear maps: q, k, v, o and the gated MLP."""
+        H, dq, dkv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return H * dq + 2 * H * dkv + dq * H + 3 * H * self.intermediate
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: every layer's plus the lm_head (V x H)."""
+        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All parameters, tied embeddings counted once (biases of q/k/v and the norms included)."""
+        H, dq, dkv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = self.layer_matmul_params + dq + 2 * dkv + 2 * H  # + q/k/v biases, two norms
+        embeddings = self.vocab * H * (1 if self.tied else 2)
+        return self.layers * per_layer + H + embeddings
+
+
+@functools.cache
+def model_shape(path: str) -> ModelShape:
+    """ModelShape of the model folder (or hub id) `path`, read from its config.json once per process."""
+    from transformers import AutoConfig
+
+    return ModelShape.from_config(AutoConfig.from_pretrained(os.path.expanduser(path)))
+
+
+def train_flops_per_token(shape: ModelShape) -> float:
+    """6 x matmul_params: forward and backward FLOPs of the weights for one token."""
+    return 6.0 * shape.matmul_params
+
+
+def attention_train_flops(shape: ModelShape, lengths: list[int]) -> float:
+    """Forward + backward FLOPs of QK^T and AV over sequences of these lengths (causal: only the lower half)."""
+    return 6.0 * shape.layers * shape.heads * shape.head_dim * sum(n * n for n in lengths)
+
+
+def mfu(flops: float, seconds: float, peak: float = PEAK_FLOPS) -> float:
+    """Model FLOPs utilisation: flops / seconds / peak (0 when no time passed)."""
+    return flops / seconds / peak if seconds > 0 else 0.0
+
+
+# -------------------------------------------------------------------------------------------- memory
+
+
+class PhaseMemory:
+    """CUDA memory per phase: `with mem("update"): ...`; `pop()` -> perf/memory/* metrics (GiB). No-op on CPU."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.open: list[str] = []
+        self.peaks: dict[
+            str, list[float]
+        ] = {}  # phase -> [peak allocated, peak reserved, device used], bytes
+
+    def _fold(self) -> None:
+        """Charges the peak since the last reset to every open phase, then resets the counters."""
+        allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        for name in self.open:
+            p = self.peaks.setdefault(name, [0.0, 0.0, 0.0])
+            p[0], p[1] = max(p[0], allocated), max(p[1], reserved)
+        torch.cuda.reset_peak_memory_stats()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        self._fold()
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self._fold()
+            self.open.remove(name)
+            free, total = torch.cuda.mem_get_info()
+            p = self.peaks[name]
+            p[2] = max(p[2], total - free)
+
+    def pop(self) -> dict[str, float]:
+        """perf/memory/<phase>_{peak_allocated,peak_reserved,device_used}_gb since the last pop; clears them."""
+        out = {}
+        for name, (allocated, reserved, used) in self.peaks.items():
+            out[f"perf/memory/{name}_peak_allocated_gb"] = allocated / GIB
+            out[f"perf/memory/{name}_peak_reserved_gb"] = reserved / GIB
+            out[f"perf/memory/{name}_device_used_gb"] = used / GIB
+        self.peaks.clear()
+        return out
+
+
+class PhaseTimer(log.Timer):
+    """log.Timer that also records each phase's CUDA memory (PhaseMemory); `pop()` returns both."""
+
+    def __init__(self, sync: Any = None) -> None:
+        super().__init__(sync=sync)
+        self.memory = PhaseMemory()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        with self.memory(name), super().__call__(name):
+            yield
+
+    def pop(self) -> dict[str, float]:
+        return super().pop() | self.memory.pop()
+
+
+def update_metrics(
+    shape: ModelShape, tokens: float, sum_sq_lengths: float, seconds: float, world_size: int
+) -> dict[str, float]:
+    """perf/mfu, perf/mfu_attn, perf/update_tokens_per_s of a policy update over all ranks.
+
+    Args:
+        tokens: tokens trained by all ranks (prompt + response of every sample, times the epochs).
+        sum_sq_lengths: the sum of each trained sequence's length squared (times the epochs), for attention.
+        seconds: the update's wall time; world_size: ranks (devices) that ran it at once.
+    """
+    flops = train_flops_per_token(shape) * tokens
+    attn = 6.0 * shape.layers * shape.heads * shape.head_dim * sum_sq_lengths
+    device_seconds = seconds * world_size
+    return {
+        "perf/mfu": mfu(flops, device_seconds),
+        "perf/mfu_attn": mfu(flops + attn, device_seconds),
+        "perf/update_tokens_per_s": tokens / device_seconds if device_seconds > 0 else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+ENGINE_ASLEEP_BYTES = 1 * GIB
+"""What a sleeping vLLM engine keeps on the device (CUDA graph pool, workspaces): an estimate, not measured."""
+CUDA_CONTEXT_BYTES = int(0.6 * GIB)
+"""The CUDA context and library handles outside torch's allocator: an estimate."""
+
+
+def activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> float:
+    """Activations a training forward keeps for backward, bytes per token, bf16 compute (FSDP mixed precision).
+
+    Per layer: two RMSNorms (fp32 input copy 4H, bf16 input 2H, bf16 output 2H each: 16H), q/k/v/o and the
+    attention kernel's saved q, k, v, output and their contiguous copies (6 Dq + 4 Dkv), the gated MLP (gate,
+    SiLU output, up, product: 8I). With gradient checkpointing a layer keeps only its input (2H) and one
+    layer's full set is alive during its recomputation. Counted by hand from transformers' Qwen2 modules.
+    """
+    dq, dkv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 16 * shape.hidden + 6 * dq + 4 * dkv + 8 * shape.intermediate
+    if checkpointing:
+        return shape.layers * 2 * shape.hidden + per_layer
+    return shape.layers * per_layer
+
+
+def logits_bytes_per_token(shape: ModelShape, training: bool) -> float:
+    """bf16 logits [N, V] (kept by the chunked logprob kernel), plus their bf16 gradient in a backward."""
+    return (4 if training else 2) * shape.vocab
+
+
+def kernel_workspace_bytes(shape: ModelShape, chunk_size: int = 1024) -> float:
+    """losses._ChunkedTokenStats: about three fp32 [chunk_size, V] buffers alive at once."""
+    return 3 * 4 * chunk_size * shape.vocab
+
+
+@dataclass
+class Plan:
+    """Estimated device bytes per phase and component (`phases[phase][component]`), and the device's total."""
+
+    phases: dict[str, dict[str, float]]
+    device_total: float | None
+    fixes: dict[str, str]
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        """(phase, bytes) of the largest phase."""
+        name = max(self.phases, key=lambda k: sum(self.phases[k].values()))
+        return name, sum(self.phases[name].values())
+
+    def render(self) -> str:
+        """The plan as a few lines of text: each phase's total and parts, the device, the verdict."""
+        lines = ["memory plan (estimates from config.json and the settings; GiB):"]
+        for name, parts in self.phases.items():
+            detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v >= 0.05 * GIB)
+            lines.append(f"  {name:<12} {sum(parts.values()) / GIB:7.1f}  ({detail})")
+        name, peak = self.peak
+        if self.device_total is None:
+            lines.append(f"  peak {peak / GIB:.1f} GiB in {name}; no CUDA device here to compare with")
+            return "\n".join(lines)
+        lines.append(f"  device {self.device_total / GIB:.1f} GiB; peak {peak / GIB:.1f} GiB in {name}")
+        over = [k for k, parts in self.phases.items() if sum(parts.values()) > self.device_total]
+        if not over:
+            lines.append("  fits")
+        for k in over:
+            lines.append(f"  {k} does not fit: {self.fixes[k]}")
+        return "\n".join(lines)
+
+
+def _micro_batch_tokens(cfg: Any) -> int:
+    """Most tokens in one actor micro-batch: the token budget, or micro-batch size x longest sequence."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.actor.use_dynamic_bsz:
+        return max(cfg.actor.ppo_max_token_len_per_gpu, longest)
+    return cfg.actor.ppo_micro_batch_size_per_gpu * longest
+
+
+def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: float | None) -> dict:
+    """The estimate behind `plan` (bytes):
+
+    trainer, resident    fp32 params 4P/W + AdamW 8P/W (+ fp32 reference 4P/W with a KL loss and no LoRA);
+                         gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
+                         with offload_optimizer_in_rollout the AdamW state is off the device from the push
+                         until the update's first optimizer step (sync, gen, old_logprob)
+    unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
+                         (one computing, one prefetched) 2 * 2 * layer params
+    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace
+    old_logprob          + inference logits + kernel workspace (no activations are kept without grad)
+    gen, sync            + the engine's budget rollout.gpu_memory_utilization x device memory (weights, KV
+                         cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES
+    every phase          + CUDA_CONTEXT_BYTES
+    """
+    P, W = shape.params, world_size
+    fs = cfg.model.fsdp_config
+    lora = getattr(cfg.model, "lora_rank", 0) > 0
+    ref = 4 * P / W if getattr(cfg.actor, "use_kl_loss", False) and not lora else 0.0
+    params = 0.0 if fs.cpu_offload else 4 * P / W
+    adam = 0.0 if fs.cpu_offload else 8 * P / W
+    grads = 0.0 if fs.cpu_offload else 4 * P / W
+    unsharded = 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params
+    T = _micro_batch_tokens(cfg)
+    ckpt = cfg.model.enable_gradient_checkpointing
+    engine = cfg.rollout.gpu_memory_utilization * device_total if device_total else 0.0
+    if getattr(cfg.rollout, "name", "vllm") == "hf":
+        engine = 2 * P  # an unsharded bf16 copy, no KV cache
+    asleep = ENGINE_ASLEEP_BYTES if getattr(cfg.rollout, "free_cache_engine", True) else engine
+    rollout_adam = 0.0 if getattr(fs, "offload_optimizer_in_rollout", False) else adam
+    base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
+    workspace = kernel_workspace_bytes(shape)
+    return {
+        "gen": base | {"optimizer": rollout_adam, "engine": engine},
+        "old_logprob": base
+        | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
+        | {"logits": logits_bytes_per_token(shape, False) * T, "kernel": workspace},
+        "update": base
+        | {"optimizer": adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
+        | {"activations": activation_bytes_per_token(shape, ckpt) * T}
+        | {"logits": logits_bytes_per_token(shape, True) * T, "kernel": workspace},
+        "sync": base | {"optimizer": rollout_adam, "engine": engine, "unsharded": unsharded},
+    }
+
+
+def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Plan:
+    """The memory preflight of an RL run (grpo.py / ppo.py config), one rank's device.
+
+    Args:
+        cfg: the script's config (model.path's config.json is read; data, actor, rollout, model settings).
+        world_size: ranks sharding the trainer.
+        device_total: device bytes; None reads this rank's CUDA device (None again on CPU).
+    Returns: a Plan; `render()` prints it.
+    """
+    if device_total is None and torch.cuda.is_available():
+        device_total = float(torch.cuda.mem_get_info()[1])
+    shape = model_shape(cfg.model.path)
+    budget = (
+        "actor.ppo_max_token_len_per_gpu"
+        if cfg.actor.use_dynamic_bsz
+        else "actor.ppo_micro_batch_size_per_gpu"
+    )
+    fixes = {
+        "gen": "lower --rollout.gpu_memory_utilization or turn on "
+        "--model.fsdp_config.offload_optimizer_in_rollout",
+        "old_logprob": f"lower --{budget}",
+        "update": f"lower --{budget}, or turn on --model.enable_gradient_checkpointing "
+        "(or --model.fsdp_config.cpu_offload)",
+        "sync": "lower --rollout.gpu_memory_utilization or turn on "
+        "--model.fsdp_config.offload_optimizer_in_rollout",
+    }
+    return Plan(_plan_phases(cfg, shape, world_size, device_total), device_total, fixes)

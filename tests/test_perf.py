@@ -1,0 +1,255 @@
+"""perf.py by hand (FLOPs, MFU, the memory plan, the phase timer) and the padding-free attention path (fsdp.VARLEN,
+data.pack_batch(mask_dtype=None)) against the padded layout; CUDA-only checks are marked gpu."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import actor
+import data
+import fsdp
+import losses
+import perf
+import rollout
+
+QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+
+
+def test_flops_by_hand_for_qwen2_5_0_5b():
+    s = perf.ModelShape.from_config(Qwen2Config(**QWEN05))
+    assert (s.head_dim, s.kv_heads, s.tied) == (64, 2, True)
+    # per layer: q 896*896, k and v 896*128 each, o 896*896, gate/up/down 3*896*4864
+    layer = 896 * 896 + 2 * 896 * 128 + 896 * 896 + 3 * 896 * 4864
+    assert layer == 14_909_440 == s.layer_matmul_params
+    assert s.matmul_params == 24 * layer + 151936 * 896 == 493_961_216
+    # all parameters: + q/k/v biases (896 + 2 * 128) and two norms (2 * 896) per layer, the final norm, the
+    # (tied) embedding once: Qwen2.5-0.5B's 494,032,768, which nn.Module.parameters() also counts
+    assert s.params == 24 * (layer + 896 + 256 + 2 * 896) + 896 + 151936 * 896 == 494_032_768
+    assert perf.train_flops_per_token(s) == 6 * 493_961_216
+    # attention: 6 * layers * heads * head_dim * sum L^2 (two sequences of 100 and 300 tokens)
+    assert perf.attention_train_flops(s, [100, 300]) == 6 * 24 * 896 * (100**2 + 300**2)
+
+
+def test_mfu_arithmetic_matches_the_h200_baseline():
+    s = perf.ModelShape.from_config(Qwen2Config(**QWEN05))
+    # ../shared/gpu/README.md: 84k tokens/s of a plain transformers step on the 0.5B shape is 25% of 989 TF/s
+    m = perf.update_metrics(s, tokens=84_000, sum_sq_lengths=0, seconds=1.0, world_size=1)
+    assert (
+        m["perf/mfu"] == pytest.approx(6 * 493_961_216 * 84_000 / 989e12) and round(m["perf/mfu"], 2) == 0.25
+    )
+    assert m["perf/update_tokens_per_s"] == 84_000
+    # two ranks that took 2 s for 168k tokens: the same per-device figures
+    m2 = perf.update_metrics(s, tokens=168_000, sum_sq_lengths=0, seconds=1.0, world_size=2)
+    assert m2["perf/mfu"] == pytest.approx(m["perf/mfu"]) and m2["perf/update_tokens_per_s"] == 84_000
+    assert perf.mfu(1e12, 0.0) == 0.0
+
+
+def _plan_cfg(path: str, **actor_kw) -> SimpleNamespace:
+    return SimpleNamespace(
+        model=actor.ModelConfig(path=path),
+        actor=actor.ActorConfig(**({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16384} | actor_kw)),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=0.5),
+        data=SimpleNamespace(max_prompt_length=256, max_response_length=512),
+    )
+
+
+def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
+    Qwen2Config(**QWEN05).save_pretrained(tmp_path)  # config.json only: the plan reads no weights
+    P, T, GiB = 494_032_768, 16384, 2**30
+    plan = perf.plan(_plan_cfg(str(tmp_path)), world_size=1, device_total=140 * GiB)
+    up = plan.phases["update"]
+    assert (up["params"], up["grads"], up["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    per_token_layer = 16 * 896 + 6 * 896 + 4 * 128 + 8 * 4864  # norms, attention, MLP (perf docstring)
+    assert per_token_layer == 59_136 and up["activations"] == 24 * per_token_layer * T
+    assert up["logits"] == 4 * 151936 * T and up["kernel"] == 3 * 4 * 1024 * 151936
+    assert up["engine asleep"] == perf.ENGINE_ASLEEP_BYTES and up["reference"] == 0
+    gen = plan.phases["gen"]
+    assert gen["engine"] == 0.5 * 140 * GiB and gen["optimizer"] == 8 * P and "grads" not in gen
+    assert 40 * GiB < sum(up.values()) < 45 * GiB  # 41.9 GiB: activations 21.7, logits 9.3, states 7.4
+    assert plan.peak[0] == "sync" and "fits" in plan.render()  # gen + the unsharded copies of the gather
+    # a small device: the update does not fit, and the plan names the flags to lower
+    small = perf.plan(_plan_cfg(str(tmp_path)), world_size=1, device_total=40 * GiB)
+    text = small.render()
+    assert "update does not fit" in text and "--actor.ppo_max_token_len_per_gpu" in text
+    assert "--model.enable_gradient_checkpointing" in text
+    # checkpointing keeps one layer's full set and every layer's input; offloading the optimizer in rollout
+    ckpt = perf.activation_bytes_per_token(perf.model_shape(str(tmp_path)), checkpointing=True)
+    assert ckpt == 24 * 2 * 896 + per_token_layer
+    # four ranks: the sharded states shrink four times, the activations stay
+    four = perf.plan(_plan_cfg(str(tmp_path)), world_size=4, device_total=140 * GiB).phases["update"]
+    assert four["optimizer"] == 2 * P and four["activations"] == up["activations"]
+
+
+def test_phase_timer_adds_up_and_pops_memory_metrics_only_on_cuda():
+    clock = iter(range(100))
+    t = perf.PhaseTimer()
+    t._clock = lambda: float(next(clock))
+    with t("step"):
+        with t("gen"):
+            pass
+        with t("gen"):
+            pass
+    out = t.pop()
+    assert out["timing_s/gen"] == 2.0 and out["timing_s/step"] == 5.0
+    assert any(k.startswith("perf/memory/") for k in out) == torch.cuda.is_available()
+    assert t.pop() == {}
+
+
+# ------------------------------------------------------------------------------------ padding-free path
+
+
+def tiny_model(attn: str) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = fsdp.register_varlen_attention() if attn == "varlen" else attn
+    return Qwen2ForCausalLM(cfg)
+
+
+def _seqs(lengths: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+    return seqs, [[0] * 2 + [1] * (n - 2) for n in lengths]
+
+
+def _response_logprobs(model, batch) -> torch.Tensor:
+    labels, label_mask = data.shift_labels(batch)
+    lp, _, _ = losses.forward_logprobs(model, batch, labels)
+    (lp * label_mask).sum().backward()
+    return lp[label_mask.bool()]
+
+
+def test_pack_without_mask_has_cu_seqlens_and_model_inputs():
+    b = data.pack_batch([[5, 6], [7, 8, 9]], [[0, 1], [0, 1, 1]], mask_dtype=None)
+    assert "attention_mask" not in b and b["max_seqlen"].item() == 3
+    kw = data.model_inputs(b)
+    assert kw["attention_mask"] is None and kw["cu_seq_lens_q"].tolist() == [0, 2, 5]
+    assert kw["max_length_q"] == kw["max_length_k"] == 3 and kw["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
+    dense = data.model_inputs(data.pack_batch([[5, 6]], [[0, 1]]))
+    assert set(dense) == {"input_ids", "attention_mask", "position_ids"}
+
+
+def test_varlen_attention_matches_padded_logprobs_and_grads():
+    """CPU: fsdp.VARLEN's exact fallback kernel; the same function routes CUDA bf16 to torch's varlen kernel."""
+    seqs, masks = _seqs([5, 17, 9, 30])
+    ref, model = tiny_model("sdpa"), tiny_model("varlen")
+    lp_ref = _response_logprobs(ref, data.pad_batch(seqs, masks, 0))
+    for batch in (
+        data.pack_batch(seqs, masks, mask_dtype=None),  # cu_seqlens -> causal_varlen_attention
+        data.pack_batch(seqs, masks),  # a dense mask -> sdpa, as before
+        data.pad_batch(seqs, masks, 0),  # padding mask -> sdpa
+    ):
+        model.zero_grad()
+        torch.testing.assert_close(_response_logprobs(model, batch), lp_ref, atol=1e-5, rtol=0)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    # packed position ids without cu_seqlens (another caller): derived from the positions, still exact
+    b = data.pack_batch(seqs, masks, mask_dtype=None)
+    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+    labels, label_mask = data.shift_labels(b)
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None])[..., 0][label_mask.bool()]
+    torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
+
+
+def test_load_model_picks_varlen_on_cuda_only(toy_dir):
+    m = fsdp.load_model(str(toy_dir / "model"))
+    assert m.config._attn_implementation == (fsdp.VARLEN if torch.cuda.is_available() else "sdpa")
+    assert fsdp.load_model(
+        str(toy_dir / "model"), attn_implementation=fsdp.VARLEN
+    ).config._attn_implementation == (fsdp.VARLEN)
+
+
+def test_causal_varlen_attention_fallback_by_hand():
+    """Two sequences of 2 and 3 tokens, one head: each token averages the values it may see, scores all 0."""
+    q = torch.zeros(5, 1, 4)
+    k = torch.zeros(5, 1, 4)
+    v = torch.arange(5.0)[:, None, None].expand(5, 1, 4)
+    out = fsdp.causal_varlen_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 3, None)
+    assert out[:, 0, 0].tolist() == pytest.approx(
+        [0, 0.5, 2, 2.5, 3]
+    )  # (0), (0+1)/2, (2), (2+3)/2, (2+3+4)/3
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_varlen_kernel_matches_padded_in_bf16(tmp_path):
+    """torch's varlen flash kernel (bf16, GQA) against sdpa on the padded layout, through FSDP as trained."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_attention
+
+    assert fsdp._torch_varlen() is not None, "torch.nn.attention.varlen.varlen_attn is missing or changed"
+    args = bench_attention.parse(["--toy", "--workdir", str(tmp_path)])
+    args.model, args.num_seqs, args.min_len, args.max_len = "0.5b", 6, 40, 300
+    out = bench_attention.run(args)
+    assert out["kernel"] == "torch varlen_attn"
+    # bf16 kernels differ in summation order: the varlen path must be as close as the dense-mask sdpa path
+    noise = max(out["dense"]["logprob_mean_abs_diff"], 2e-3)
+    assert out["varlen"]["logprob_mean_abs_diff"] < 3 * noise, out
+    assert out["varlen"]["logprob_max_abs_diff"] < 0.25, out
+    assert out["varlen"]["grad_rel_diff"] < max(3 * out["dense"]["grad_rel_diff"], 0.05), out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_optimizer_offload_round_trip(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(256, 256).cuda())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    states = lambda: [t.to_local() for s in opt.state.values() for t in s.values() if t.device.type == "cuda"]  # noqa: E731
+    before = [t.clone() for t in states()]
+    offload = fsdp.OptimizerOffload(opt)
+    used = torch.cuda.memory_allocated()
+    offload.offload()
+    assert torch.cuda.memory_allocated() <= used - sum(t.numel() * t.element_size() for t in before)
+    opt.state_dict()  # a checkpoint reads the state: the hook brings it back first
+    assert all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+    offload.offload()
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()  # reloads first (hook), then updates the state in place
+    assert not offload.freed and not all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+
+
+# ------------------------------------------------------------------------------------------- rollout
+
+
+@pytest.mark.slow
+def test_per_call_seed_is_reproducible_and_ignore_eos_fixes_lengths(toy_dir):
+    """rollout.per_request_seeds=False: the call's seed decides the draws (same seed, same samples); ignore_eos
+    generates max_tokens for every response."""
+    pytest.importorskip("vllm")
+    cfg = rollout.RolloutConfig(
+        per_request_seeds=False,
+        ignore_eos=True,
+        enforce_eager=True,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.1,
+    )
+    engine = rollout.make_engine(cfg, str(toy_dir / "model"), max_model_len=64)
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        sampling = rollout.SamplingConfig(n=3)
+        a, b = (engine.generate(prompts, sampling, 12, seed=5) for _ in range(2))
+        c = engine.generate(prompts, sampling, 12, seed=6)
+        assert [s.response_ids for s in a] == [s.response_ids for s in b]
+        assert [s.response_ids for s in a] != [s.response_ids for s in c]
+        assert all(len(s.response_ids) == 12 and s.finish_reason == "length" for s in a + c)
+        state = torch.get_rng_state()
+        engine.generate(prompts, sampling, 4, seed=7)
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left as it was
+    finally:
+        engine.shutdown()
