@@ -140,11 +140,14 @@ def plot_timing(times: dict[str, dict[str, float]], out: Path) -> Path | None:
     tail = ("step", "other", "val")  # whole-step time, then what the phases inside a step leave, then val
     phases = [p for p in seen if p not in tail] + [p for p in tail if p in seen]
     fig, ax = _figure()
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]  # 20 distinct colours: ppo.py alone times 11 phases
     labels = list(stacks)
     bottom = [0.0] * len(labels)
     for i, phase in enumerate(phases):
         heights = [stacks[label].get(phase, 0.0) for label in labels]
-        ax.bar(labels, heights, bottom=bottom, color=f"C{i % 10}", label=phase, width=0.6)
+        ax.bar(labels, heights, bottom=bottom, color=palette(i % 20), label=phase, width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set_ylabel("seconds / step (mean)")
     ax.tick_params(axis="x", labelsize=7)
