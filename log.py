@@ -15,6 +15,11 @@ Only rank 0 writes; an unknown backend name is an error on every rank, so a typo
 - `wandb`: `wandb.init(project, name=experiment, config, dir=RUN)`, offline unless `WANDB_MODE` is set or an
   API key is there (`WANDB_API_KEY`, or the `~/.netrc` entry `wandb login` writes).
 Those two are imported only when chosen.
+
+Reading a run back: `read_metrics(RUN)` (one dict per step; a step logged twice keeps its last line),
+`phase_times(rows)` (mean seconds per step of each timing_s/ phase), and `write_report(RUN, config_yaml, results)`,
+which sft.main and rl.close call at the end of a run: RUN/report.md with the hardware, library versions, final
+metrics, time per phase, tokens/s, peak memory and the resolved config. plot.py draws the same metrics.
 """
 
 import importlib.metadata

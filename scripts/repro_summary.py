@@ -4,7 +4,7 @@
 
 For every OUT/seed<S>/ folder: greedy accuracy on the held-out problems after SFT (grpo.py validates the merged SFT
 model before its first step), after GRPO and after PPO (the last validation of each run), the accuracy ppo.py
-measured on the same SFT model before its first step (it must equal the first), the SFT validation loss before
+measured on the same SFT model before its first step (equal to the first unless GPU kernels are nondeterministic), the SFT validation loss before
 and after, the steps of each stage and the wall-clock of each stage (OUT/seed<S>/wall_s.txt, written by
 repro.sh). With two seeds or more: the mean and the spread (max - min) of each accuracy. Also the commit, the
 model's size and the number of held-out problems.
