@@ -15,6 +15,11 @@ Only rank 0 writes; an unknown backend name is an error on every rank, so a typo
 - `wandb`: `wandb.init(project, name=experiment, config, dir=RUN)`, offline unless `WANDB_MODE` is set or an
   API key is there (`WANDB_API_KEY`, or the `~/.netrc` entry `wandb login` writes).
 Those two are imported only when chosen.
+
+Reading a run back: `read_metrics(RUN)` (one dict per step; a step logged twice keeps its last line),
+`phase_times(rows)` (mean seconds per step of each timing_s/ phase), and `write_report(RUN, config_yaml, results)`,
+which sft.main and rl.close call at the end of a run: RUN/report.md with the hardware, library versions, final
+metrics, time per phase, tokens/s, peak memory and the resolved config. plot.py draws the same metrics.
 """
 
 import importlib.metadata
@@ -253,3 +258,215 @@ class Timer:
         out = {f"timing_s/{k}": v for k, v in self._totals.items()}
         self._totals.clear()
         return out
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl as one dict per step, in step order.
+
+    Args:
+        path: a metrics.jsonl file (the jsonl backend's), or the run folder holding one.
+    Returns:
+        [{"step": int, "<metric>": float or None, ...}, ...] sorted by step. None is a value the Logger wrote as
+        null (NaN or inf). A step logged twice (a run resumed without dropping its lines) keeps its last line;
+        a line that does not parse (one cut short by a crash) or has no integer step is skipped.
+    Raises:
+        FileNotFoundError naming the path when the file is not there.
+    """
+    path = Path(path)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def phase_times(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of each `timing_s/<phase>` metric.
+
+    Args:
+        rows: read_metrics' output.
+    Returns:
+        {phase: seconds}, phases in first-seen order. The mean is over the rows that logged any timing_s metric,
+        a phase missing from one of them counting 0 (validation runs every test_freq steps: its mean is its cost
+        spread over all steps), so the phases of one step add up to its mean wall time.
+    """
+    timed = [r for r in rows if any(k.startswith("timing_s/") for k in r)]
+    totals: dict[str, float] = {}
+    for r in timed:
+        for k, v in r.items():
+            if k.startswith("timing_s/"):
+                name = k.removeprefix("timing_s/")
+                totals[name] = totals.get(name, 0.0) + (v or 0.0)
+    return {name: total / len(timed) for name, total in totals.items()}
+
+
+def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def hardware_info() -> dict[str, Any]:
+    """This machine: {"cpu": model name, "cpu_cores": int, "memory_gb": float or None, "gpus": [{"name",
+    "memory_gb"}] (CUDA devices; empty without CUDA), "cuda": torch's CUDA version or None}."""
+    import torch  # lazy: the rest of log.py needs no torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gb = None
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            gpus.append({"name": props.name, "memory_gb": props.total_memory / 2**30})
+    return {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "memory_gb": memory_gb,
+        "gpus": gpus,
+        "cuda": torch.version.cuda,
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "null" if value is None else str(value)
+
+
+def write_report(
+    run_dir: str | Path,
+    config_yaml: str,
+    results: dict[str, Any] | None = None,
+    metrics_path: str | Path | None = None,
+    rank: int = 0,
+) -> Path | None:
+    """Write RUN/report.md: what ran, on what, and what came out, readable on GitHub.
+
+    Sections: the run (commit, argv, date), hardware (hardware_info), library versions (run_info), final
+    metrics (`results` as the script returned them, and the last logged value of every metric), mean time per
+    phase (phase_times), throughput (mean `perf/throughput` and `perf/tokens_per_s`), peak memory (max
+    `perf/max_memory_allocated_gb`), and the resolved config, collapsed.
+
+    Args:
+        run_dir: the run folder; report.md goes there.
+        config_yaml: the resolved config as YAML (config.to_yaml(cfg)).
+        results: the script's final metrics, or None.
+        metrics_path: the metrics.jsonl to read; default RUN/metrics.jsonl. A missing file is reported, not
+            an error, so a run that failed early still gets a report.
+        rank: only rank 0 writes; other ranks return None.
+    Returns:
+        The report's path (None off rank 0).
+    """
+    if rank != 0:
+        return None
+    run_dir = Path(run_dir)
+    metrics_path = Path(metrics_path) if metrics_path is not None else run_dir / "metrics.jsonl"
+    rows = read_metrics(metrics_path) if metrics_path.is_file() else []
+    info, hw = run_info(), hardware_info()
+    dirty = " (uncommitted changes)" if info["dirty"] else ""
+    gpus = ", ".join(f"{g['name']} ({g['memory_gb']:.0f} GiB)" for g in hw["gpus"]) or "none"
+    memory = f"{hw['memory_gb']:.0f} GiB" if hw["memory_gb"] else "unknown"
+    out = [
+        f"# Run report: {run_dir.name}",
+        "",
+        f"- commit: `{info['commit']}`{dirty}",
+        f"- command: `{' '.join(info['argv'])}`",
+        f"- written: {info['date']} on {info['hostname']}",
+        f"- steps logged: {len(rows)}" + (f" (steps {rows[0]['step']}..{rows[-1]['step']})" if rows else ""),
+        "",
+        "## Hardware",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| CPU | {hw['cpu']}, {hw['cpu_cores']} cores |",
+        f"| memory | {memory} |",
+        f"| GPU | {gpus} |",
+        f"| CUDA (torch build) | {hw['cuda'] or 'none'} |",
+        "",
+        "## Library versions",
+        "",
+        "| library | version |",
+        "|---|---|",
+        *(f"| {k} | {v or 'not installed'} |" for k, v in info["versions"].items()),
+        "",
+        "## Final metrics",
+        "",
+    ]
+    if results:
+        out += ["Returned by the run:", "", "| metric | value |", "|---|---|"]
+        out += [f"| {k} | {_fmt(v)} |" for k, v in sorted(results.items())]
+        out.append("")
+    last: dict[str, tuple[int, Any]] = {}
+    for r in rows:
+        last |= {k: (r["step"], v) for k, v in r.items() if k != "step"}
+    if last:
+        out += ["Last logged value of each metric:", "", "| metric | step | value |", "|---|---|---|"]
+        out += [f"| {k} | {s} | {_fmt(v)} |" for k, (s, v) in sorted(last.items())]
+    else:
+        out.append(
+            f"No metrics logged ({metrics_path} {'is empty' if metrics_path.is_file() else 'is missing'})."
+        )
+    out += ["", "## Time per phase", ""]
+    phases = phase_times(rows)
+    if phases:
+        n = sum(any(k.startswith("timing_s/") for k in r) for r in rows)
+        out += [
+            f"Mean seconds per step over {n} timed steps (`step` is the whole step; in grpo.py and ppo.py it holds every other phase but `val`).",
+            "",
+        ]
+        out += ["| phase | s / step | total s |", "|---|---|---|"]
+        out += [f"| {p} | {s:.4g} | {s * n:.4g} |" for p, s in phases.items()]
+    else:
+        out.append("No `timing_s/*` metrics logged.")
+    throughput, tokens_per_s = _mean(rows, "perf/throughput"), _mean(rows, "perf/tokens_per_s")
+    peaks = [
+        r["perf/max_memory_allocated_gb"] for r in rows if r.get("perf/max_memory_allocated_gb") is not None
+    ]
+    out += ["", "## Throughput and memory", "", "| | |", "|---|---|"]
+    if throughput is not None:
+        out.append(f"| tokens/s per rank (mean `perf/throughput`) | {throughput:.4g} |")
+    if tokens_per_s is not None:
+        out.append(f"| tokens/s, all ranks (mean `perf/tokens_per_s`) | {tokens_per_s:.4g} |")
+    if throughput is None and tokens_per_s is None:
+        out.append("| tokens/s | not logged |")
+    out.append(
+        f"| peak GPU memory allocated (max `perf/max_memory_allocated_gb`) | {max(peaks):.4g} GiB |"
+        if peaks
+        else "| peak GPU memory allocated | not measured (no CUDA) |"
+    )
+    out += [
+        "",
+        "## Config",
+        "",
+        "<details><summary>resolved config (YAML)</summary>",
+        "",
+        "```yaml",
+        config_yaml.rstrip("\n"),
+        "```",
+        "",
+        "</details>",
+        "",
+    ]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "report.md"
+    path.write_text("\n".join(out))
+    return path

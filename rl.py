@@ -508,6 +508,7 @@ def close(run: Run, engine: rollout.Engine | None) -> None:
     run.pool.close()
     if engine is not None:
         engine.shutdown()
+    log.write_report(run.run_dir, config.to_yaml(run.cfg), rank=run.dist.rank)  # RUN/report.md, rank 0
 
 
 def timer() -> log.Timer:

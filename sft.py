@@ -388,6 +388,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             )
     logger.close()
     results["global_step"] = step
+    log.write_report(run_dir, config.to_yaml(cfg), results, rank=d.rank)  # RUN/report.md, rank 0
     return results
 
 
