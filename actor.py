@@ -3,7 +3,7 @@ logprob passes and the PPO-clip update (verl's dp_actor), and the weight push in
 
     policy = actor.load(cfg.model, device)                          # FSDP2-sharded Hugging Face causal LM
     actor.compute_logprobs(policy, samples, ...)                    # old (and vLLM check) or reference logprobs
-    actor.update_policy(policy, optimizer, guard, samples, ...)     # ppo_epochs x mini-batches x micro-batches
+    actor.update_policy(policy, optimizer, scheduler, guard, samples, ...)  # epochs x mini- x micro-batches
     actor.push_weights(engine, policy, dtype)                       # one full parameter at a time
 
 A `Sample` is one response with everything the update needs. Its `advantages` is a float (GRPO & co.: one
@@ -278,6 +278,7 @@ def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) ->
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     guard: optim.SkipGuard,
     samples: list[Sample],
     n_prompts: int,
@@ -288,14 +289,15 @@ def update_policy(
     device: torch.device,
     norm_length: int,
 ) -> dict[str, float]:
-    """`cfg.ppo_epochs` passes of PPO-clip (+ KL loss, - entropy bonus) over mini-batches of this rank's samples.
+    """`cfg.ppo_epochs` passes of PPO-clip (+ KL loss, - entropy bonus) over mini-batches of this rank's samples,
+    at the scheduler's learning rate, which then advances one step.
 
     Args:
         n_prompts: prompts of this rank's share (sample.group < n_prompts).
         norm_length: seq-mean-token-sum-norm's constant divisor (the max response length).
     Returns:
         actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, (kl_loss), grad_norm, skipped_steps: means
-        over the optimizer steps (token means for the clip fractions and ppo_kl).
+        over the optimizer steps (token means for the clip fractions and ppo_kl); actor/lr, the rate used.
     """
     world = dist.get_world_size()
     sums: dict[str, float] = {}
@@ -356,6 +358,8 @@ def update_policy(
     out = {k: fsdp.all_reduce(v) / len(grad_norms) for k, v in sums.items()}
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["actor/skipped_steps"] = guard.skipped
+    out["actor/lr"] = scheduler.get_last_lr()[0]
+    scheduler.step()
     return out
 
 

@@ -15,6 +15,7 @@ one of its choices; tuple/list from a sequence (fixed tuples length-checked); ne
 mappings, overlaid on the parent's default; `Path` from a string, `~` left unexpanded for the script.
 `move_keys` helps a `yaml_hook` map a foreign layout (verl's `actor_rollout_ref.actor...`) onto ours.
 `to_dict`/`to_yaml` save the resolved config into runs and checkpoints; `from_dict` reads it back on resume.
+`TrainerConfig` holds the loop, logging and checkpoint settings every trainer shares (each script subclasses it).
 """
 
 import argparse
@@ -31,6 +32,41 @@ import tyro
 import yaml
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Loop length, logging, checkpoints (verl's trainer.*); sft.py and rl.py extend it."""
+
+    default_local_dir: str = "runs/run"
+    """Run folder: metrics.jsonl, config.yaml, report.md, global_step_N/ checkpoints."""
+    project_name: str = "flatrl"
+    """Project name for tensorboard/wandb."""
+    experiment_name: str = "run"
+    """Run name for tensorboard/wandb."""
+    total_epochs: int = 1
+    """Passes over the training data (ignored when total_training_steps is set)."""
+    total_training_steps: int | None = None
+    """Stop after this many steps."""
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validate every N steps (-1: only before and after training)."""
+    resume_mode: str = "auto"
+    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path.
+    metrics.jsonl keeps the lines up to the step resumed from (none on a fresh start)."""
+    max_ckpt_to_keep: int | None = None
+    """Keep only this many newest checkpoints (None: all)."""
+    seed: int = 0
+    """Seed of the data order (sft.py) and of the trainer's RNGs."""
+    timeout_s: float = 600.0
+    """Collective timeout: a dead rank turns into an error on the others after this long."""
+    max_consecutive_skips: int = 5
+    """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/ or actor/skipped_steps); after
+    this many in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
+
 
 _OPTIONS_HELP = "--config FILE.yaml loads overrides (CLI flags still win); --print-config prints YAML, exits."
 

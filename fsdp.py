@@ -40,7 +40,7 @@ import random
 import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +128,17 @@ def print0(*args: Any, **kwargs: Any) -> None:
     """print() on rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
+
+
+def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
+    """Every trainer's `__main__`: runs main(cfg), prints rank 0's final metrics, and leaves the process group
+    whether main returned or raised (a rank that exits without it can hang the others until their timeout)."""
+    try:
+        metrics = main(cfg)
+        print0({k: round(v, 4) for k, v in metrics.items()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:

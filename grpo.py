@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 import actor
 import config
@@ -156,11 +155,11 @@ def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> Non
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     run = rl.start(cfg)
-    device, packed, pad_id, T = (
+    device, pad_id, T, packed = (
         run.dist.device,
-        cfg.model.use_remove_padding,
         run.pad_id,
         cfg.rollout.temperature,
+        cfg.model.use_remove_padding,
     )
     policy, hf_files = actor.load(cfg.model, device)
     ref = None
@@ -168,55 +167,33 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         ref = actor.load_reference(cfg.model, policy, device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
-    offload = fsdp.OptimizerOffload(optimizer) if cfg.model.fsdp_config.offload_optimizer_in_rollout else None
+    offload = rl.offloads(cfg, optimizer)
     components = {"": (policy, optimizer, hf_files)}
     engine = None
     try:
         engine = rl.make_engine(cfg, run)
         step, results, _ = rl.resume(run, components, scheduler, guard)
-        actor.push_weights(engine, policy, run.push_dtype)  # the engine runs exactly the trainer's weights
-        if rl.validate_first(run, engine, step, results):
+        if rl.first_push(run, engine, policy, step, results):
             return results
-        memory = rl.memory_settings(cfg)
         while step < run.total_steps:
-            timer = rl.timer()
-            with timer("step"):
-                prompts, mine = run.next_prompts()
-                prompts, samples, metrics = rl.generate_and_score(run, engine, prompts, mine, step, timer)
+            with rl.step_timer() as timer:
+                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
                 compute_advantages(samples, cfg.algorithm)
-                with timer("old_logprob"), fsdp.explain_oom("old logprobs", memory):
-                    metrics |= actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
-                rl.check_push(metrics, cfg.rollout, step)
-                if ref is not None:
-                    with timer("ref"), fsdp.explain_oom("reference logprobs", memory):
-                        actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
-                with timer("update"), fsdp.explain_oom("policy update", memory):
+                with timer("update"), fsdp.explain_oom("policy update", rl.memory_settings(cfg)):
                     metrics |= actor.update_policy(
-                        policy, optimizer, guard, samples, len(prompts), cfg.actor, T, packed, pad_id, device,
-                        norm_length=cfg.data.max_response_length,
+                        policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed, pad_id,
+                        device, norm_length=cfg.data.max_response_length,
                     )  # fmt: skip
-                metrics["actor/lr"] = scheduler.get_last_lr()[0]
-                scheduler.step()
                 step += 1
-                with timer("sync"), fsdp.explain_oom("weight push", memory):
-                    if offload is not None:  # off the device before the KV cache wakes (back at step())
-                        offload.offload()
-                    actor.push_weights(engine, policy, run.push_dtype)
+                rl.push(run, engine, policy, timer, offload)
             rl.finish_step(
                 run, engine, step, samples, metrics, timer, guard, results,
                 save_fn=lambda s=step: rl.save(run, s, components, scheduler, guard, results),
             )  # fmt: skip
     finally:
         rl.close(run, engine)
-    results["global_step"] = step
-    return results
+    return results | {"global_step": step}
 
 
 if __name__ == "__main__":
-    cfg = config.parse(GRPOConfig, yaml_hook=rl.verl_layout)
-    try:
-        metrics = main(cfg)
-        fsdp.print0({k: round(v, 4) for k, v in metrics.items()})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    fsdp.run_main(main, config.parse(GRPOConfig, yaml_hook=rl.verl_layout))

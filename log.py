@@ -47,8 +47,12 @@ CONSOLE_KEYS = (
     ("train/grad_norm", "gnorm"),
     ("reward/mean", "reward"),
     ("val/loss", "val_loss"),
-    ("val/score", "val"),
+    ("val/reward/mean", "val"),
+    ("response_length/mean", "len"),
+    ("rollout/logprob_diff_mean", "lp_diff"),
+    ("critic/vf_loss", "vf_loss"),
     ("perf/tokens_per_s", "tok/s"),
+    ("timing_s/step", "s/step"),
 )
 
 

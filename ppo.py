@@ -342,6 +342,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
     critic_optimizer, critic_scheduler = optim.build(critic.parameters(), cfg.critic.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
     kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
+    offload = rl.offloads(cfg, optimizer, critic_optimizer)
     components = {"": (policy, optimizer, hf_files), "critic": (critic, critic_optimizer, critic_files)}
     engine = None
     try:
@@ -350,26 +351,16 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         if extra:
             critic_scheduler.load_state_dict(extra["critic_scheduler"])
             kl_ctrl.value = extra["kl_coef"]
-        actor.push_weights(engine, policy, run.push_dtype)  # the engine runs exactly the trainer's weights
-        if rl.validate_first(run, engine, step, results):
+        if rl.first_push(run, engine, policy, step, results):
             return results
-        memory = rl.memory_settings(cfg)
         while step < run.total_steps:
-            timer = rl.timer()
-            with timer("step"):
-                prompts, mine = run.next_prompts()
-                prompts, samples, metrics = rl.generate_and_score(run, engine, prompts, mine, step, timer)
-                with timer("old_logprob"), fsdp.explain_oom("old logprobs", memory):
-                    metrics |= actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
-                rl.check_push(metrics, cfg.rollout, step)
-                if ref is not None:
-                    with timer("ref"), fsdp.explain_oom("reference logprobs", memory):
-                        actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
-                with timer("values"), fsdp.explain_oom("critic values", memory):
+            with rl.step_timer() as timer:
+                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
+                with timer("values"), fsdp.explain_oom("critic values", rl.memory_settings(cfg)):
                     compute_values(critic, samples, cfg.critic, critic_packed, pad_id, device)
                 with timer("adv"):
                     metrics |= advantages_and_returns(samples, cfg.algorithm, kl_ctrl)
-                with timer("update_critic"), fsdp.explain_oom("critic update", memory):
+                with timer("update_critic"), fsdp.explain_oom("critic update", rl.memory_settings(cfg)):
                     metrics |= update_critic(
                         critic, critic_optimizer, guard, samples, len(prompts), cfg.critic, critic_packed,
                         pad_id, device, norm_length=cfg.data.max_response_length,
@@ -377,16 +368,13 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
                 critic_scheduler.step()
                 if step >= cfg.trainer.critic_warmup:
-                    with timer("update_actor"), fsdp.explain_oom("actor update", memory):
+                    with timer("update_actor"), fsdp.explain_oom("actor update", rl.memory_settings(cfg)):
                         metrics |= actor.update_policy(
-                            policy, optimizer, guard, samples, len(prompts), cfg.actor, T, packed, pad_id,
-                            device, norm_length=cfg.data.max_response_length,
+                            policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed,
+                            pad_id, device, norm_length=cfg.data.max_response_length,
                         )  # fmt: skip
-                    metrics["actor/lr"] = scheduler.get_last_lr()[0]
-                    scheduler.step()
                 step += 1
-                with timer("sync"), fsdp.explain_oom("weight push", memory):
-                    actor.push_weights(engine, policy, run.push_dtype)
+                rl.push(run, engine, policy, timer, offload)
 
             def save(s: int = step) -> object:
                 own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
@@ -395,15 +383,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save_fn=save)
     finally:
         rl.close(run, engine)
-    results["global_step"] = step
-    return results
+    return results | {"global_step": step}
 
 
 if __name__ == "__main__":
-    cfg = config.parse(PPOConfig, yaml_hook=rl.verl_layout)
-    try:
-        metrics = main(cfg)
-        fsdp.print0({k: round(v, 4) for k, v in metrics.items()})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    fsdp.run_main(main, config.parse(PPOConfig, yaml_hook=rl.verl_layout))

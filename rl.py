@@ -20,9 +20,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,40 +82,17 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """Loop length, validation, logging, checkpoints."""
+class TrainerConfig(config.TrainerConfig):
+    """config.TrainerConfig (loop, logging, checkpoints) and RL validation; rollout.seed seeds the sampling."""
 
     default_local_dir: str = "runs/rl"
-    """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints."""
-    project_name: str = "flatrl"
-    """Project name for tensorboard/wandb."""
+    """Run folder: metrics.jsonl, config.yaml, report.md, global_step_N/ checkpoints."""
     experiment_name: str = "rl"
     """Run name for tensorboard/wandb."""
-    total_epochs: int = 1
-    """Passes over the training prompts (ignored when total_training_steps is set)."""
-    total_training_steps: int | None = None
-    """Stop after this many steps."""
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
-    save_freq: int = -1
-    """Checkpoint every N steps (-1: only at the end)."""
-    test_freq: int = -1
-    """Validate every N steps (-1: only before and after training)."""
     val_before_train: bool = True
     """Validate before the first step."""
     val_only: bool = False
     """Validate once and exit (evaluation of model.path)."""
-    resume_mode: str = "auto"
-    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path."""
-    max_ckpt_to_keep: int | None = None
-    """Keep only this many newest checkpoints (None: all)."""
-    seed: int = 0
-    """Seed of the trainer's RNGs (rollout.seed seeds the sampling, per step and rank: rl.rollout_seed)."""
-    timeout_s: float = 600.0
-    """Collective timeout: a dead rank turns into an error on the others after this long."""
-    max_consecutive_skips: int = 5
-    """Optimizer steps with a NaN/inf loss or gradient norm are skipped (actor/skipped_steps); after this many
-    in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
     plan: bool = False
     """Print the memory plan (perf.plan: each phase's estimated device memory next to the device's, and the
     flag to lower where it does not fit) and exit before loading anything."""
@@ -378,6 +356,62 @@ def generate_and_score(
     return prompts, samples, metrics
 
 
+def make_experience(
+    run: Run,
+    engine: rollout.Engine,
+    policy: torch.nn.Module,
+    ref: torch.nn.Module | None,
+    step: int,
+    timer: log.Timer,
+) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
+    """A step's experience: the next prompts, their responses and scores (generate_and_score), the policy's old
+    logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs.
+
+    Returns (this rank's prompts, its samples, the step's reward and rollout metrics so far).
+    """
+    cfg = run.cfg
+    device, pad_id, T, packed = (
+        run.dist.device,
+        run.pad_id,
+        cfg.rollout.temperature,
+        cfg.model.use_remove_padding,
+    )
+    memory = memory_settings(cfg)
+    prompts, mine = run.next_prompts()
+    prompts, samples, metrics = generate_and_score(run, engine, prompts, mine, step, timer)
+    with timer("old_logprob"), fsdp.explain_oom("old logprobs", memory):
+        metrics |= actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
+    check_push(metrics, cfg.rollout, step)
+    if ref is not None:
+        with timer("ref"), fsdp.explain_oom("reference logprobs", memory):
+            actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
+    return prompts, samples, metrics
+
+
+def offloads(cfg: Any, *optimizers: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
+    """With model.fsdp_config.offload_optimizer_in_rollout, one fsdp.OptimizerOffload per optimizer, else none."""
+    return (
+        [fsdp.OptimizerOffload(o) for o in optimizers]
+        if cfg.model.fsdp_config.offload_optimizer_in_rollout
+        else []
+    )
+
+
+def push(
+    run: Run,
+    engine: rollout.Engine,
+    policy: torch.nn.Module,
+    timer: log.Timer,
+    offload: list[fsdp.OptimizerOffload],
+) -> None:
+    """A step's last phase, "sync": the optimizer states leave the device (when offloaded; they come back at the
+    next optimizer step) before the push wakes the engine's KV cache, then the policy's weights go in."""
+    with timer("sync"), fsdp.explain_oom("weight push", memory_settings(run.cfg)):
+        for o in offload:
+            o.offload()
+        actor.push_weights(engine, policy, run.push_dtype)
+
+
 def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """The reward pool's per-rank metrics over all ranks: `reward/errors*` and `reward/printed` counts summed, the
     means of extra keys averaged over the ranks that have them (ranks may see different keys)."""
@@ -422,8 +456,10 @@ def validate(run: Run, engine: rollout.Engine) -> dict[str, float]:
     }
 
 
-def validate_first(run: Run, engine: rollout.Engine, step: int, results: dict) -> bool:
-    """Validation before training (or the whole of val_only); True when the run should stop here."""
+def first_push(run: Run, engine: rollout.Engine, policy: torch.nn.Module, step: int, results: dict) -> bool:
+    """Pushes the policy's weights (the engine then runs exactly the trainer's weights, resumed or not) and runs
+    the validation before training (or the whole of val_only); True when the run should stop here."""
+    actor.push_weights(engine, policy, run.push_dtype)
     trainer = run.cfg.trainer
     if run.val is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(run, engine)
@@ -509,6 +545,14 @@ def close(run: Run, engine: rollout.Engine | None) -> None:
     if engine is not None:
         engine.shutdown()
     log.write_report(run.run_dir, config.to_yaml(run.cfg), rank=run.dist.rank)  # RUN/report.md, rank 0
+
+
+@contextlib.contextmanager
+def step_timer() -> Iterator[log.Timer]:
+    """A fresh per-phase timer (see `timer`) for one step; the block's own time is its `timing_s/step`."""
+    t = timer()
+    with t("step"):
+        yield t
 
 
 def timer() -> log.Timer:

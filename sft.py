@@ -119,37 +119,13 @@ class SFTOptimConfig(optim.OptimConfig):
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """Loop length, logging, checkpoints."""
+class TrainerConfig(config.TrainerConfig):
+    """config.TrainerConfig with SFT's run folder."""
 
     default_local_dir: str = "runs/sft"
-    """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints."""
-    project_name: str = "flatrl"
-    """Project name for tensorboard/wandb."""
+    """Run folder: metrics.jsonl, config.yaml, report.md, global_step_N/ checkpoints."""
     experiment_name: str = "sft"
     """Run name for tensorboard/wandb."""
-    total_epochs: int = 1
-    """Passes over the training data (ignored when total_training_steps is set)."""
-    total_training_steps: int | None = None
-    """Stop after this many optimizer steps."""
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
-    save_freq: int = -1
-    """Checkpoint every N steps (-1: only at the end)."""
-    test_freq: int = -1
-    """Validation loss every N steps (-1: only before and after training)."""
-    resume_mode: str = "auto"
-    """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path.
-    metrics.jsonl keeps the lines up to the step resumed from (none on a fresh start)."""
-    max_ckpt_to_keep: int | None = None
-    """Keep only this many newest checkpoints (None: all)."""
-    seed: int = 0
-    """Seed for data order and initialisation."""
-    timeout_s: float = 600.0
-    """Collective timeout: a dead rank turns into an error on the others after this long."""
-    max_consecutive_skips: int = 5
-    """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/skipped_steps); after this many
-    in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
 
 
 @dataclass(frozen=True)
@@ -393,10 +369,4 @@ def main(cfg: SFTConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    cfg = config.parse(SFTConfig)
-    try:
-        metrics = main(cfg)
-        fsdp.print0({k: round(v, 4) for k, v in metrics.items()})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    fsdp.run_main(main, config.parse(SFTConfig))

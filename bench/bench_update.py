@@ -57,8 +57,20 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         ppo_max_token_len_per_gpu=args.token_budget, ppo_micro_batch_size_per_gpu=args.micro_batch_size,
     )  # fmt: skip
     guard = optim.SkipGuard(10**6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     update = lambda: actor.update_policy(  # noqa: E731
-        policy, optimizer, guard, samples, args.num_prompts, cfg, 1.0, packed, 0, device, args.long_len
+        policy,
+        optimizer,
+        scheduler,
+        guard,
+        samples,
+        args.num_prompts,
+        cfg,
+        1.0,
+        packed,
+        0,
+        device,
+        args.long_len,
     )
     actor.compute_logprobs(policy, samples, cfg, 1.0, packed, 0, device)  # sets old_logprobs
     update()  # warm-up

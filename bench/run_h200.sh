@@ -39,8 +39,14 @@ if [ "$part" = 1 ]; then
     run push-$size python3 bench/bench_push.py --sizes $size --workdir "$WORK" --out "$OUT/push_$size.json"
   done
   if python3 -c "import pytest" 2>/dev/null; then  # the CUDA-only tests, where the device has pytest
-    run gpu-tests python3 -m pytest -q -m gpu tests/test_perf.py
+    run gpu-tests python3 -m pytest -q -rs -m gpu tests/test_perf.py tests/test_rollout.py
   fi
+  # The whole GRPO loop on CUDA (varlen attention, bf16, sleep/wake, the per-step logprob check), toy size.
+  run toy-grpo bash -c "python3 toy.py --out $WORK/toy > /dev/null && python3 -m torch.distributed.run \
+    --nproc_per_node 1 grpo.py --config configs/grpo_toy.yaml --model.path $WORK/toy/model \
+    --data.train_files $WORK/toy/rl/train.parquet --data.val_files $WORK/toy/rl/val.parquet \
+    --trainer.total_training_steps 3 --trainer.logger console --trainer.default_local_dir $WORK/toy_grpo \
+    --rollout.gpu_memory_utilization 0.2 2>&1 | grep -E 'step [0-9]|logprob|Error|error' | tail -20"
 elif [ "$part" = 2 ]; then
   if [ -d .gpu_trl ] && [ ! -d /tmp/site/trl ]; then
     for w in .gpu_trl/*.whl; do python3 -m zipfile -e "$w" /tmp/site/; done
