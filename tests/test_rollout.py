@@ -253,14 +253,18 @@ def test_two_rank_external_launcher(tiny: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("level", [1, 2])
 def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
-    """CUDA only: sleep frees memory, push after sleep wakes weights then KV cache, level 2 refuses stale generate."""
+    """CUDA only: sleep frees memory, push after sleep wakes weights then KV cache, level 2 refuses stale generate.
+
+    Run each level in its own process (`-k "sleep_wake and 1"`): with sleep mode on, vLLM's CuMem allocator
+    takes one engine per process."""
     pytest.importorskip("vllm")
     cfg = rollout.RolloutConfig(
         dtype="float32", gpu_memory_utilization=0.2, sleep_level=level, enforce_eager=True
     )
     engine = rollout.make_engine(cfg, str(tiny), MAX_LEN)
-    model = load_hf(tiny).cuda()
+    model = load_hf(tiny)
     perturb(model, seed=4)
+    model = model.cuda()
     greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
     engine.generate(PROMPTS, greedy, 16)
     free_awake = torch.cuda.mem_get_info()[0]
@@ -272,9 +276,12 @@ def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
     engine.push_weights(model.named_parameters())
     assert not engine.asleep
     out = engine.generate(PROMPTS, greedy, 16)
-    assert max_logprob_err(model.cpu(), out, PROMPTS) < 1e-4
+    # The CUDA engine's fp32 kernels differ from the CPU reference by ~2e-3 (measured on an H200); the stale
+    # weights are off by > 1e-2 (test_vllm_push_matches_transformers), so 1e-2 still tells them apart.
+    tol = 1e-2
+    assert max_logprob_err(model.cpu(), out, PROMPTS) < tol
     if level == 1:  # weights come back from host memory
         engine.sleep()
         engine.wake_up()
-        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < 1e-4
+        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < tol
     engine.shutdown()
