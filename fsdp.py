@@ -468,7 +468,7 @@ def memory_report() -> str:
 
 
 @contextmanager
-def explain_oom(what: str, settings: dict[str, Any]) -> Iterator[None]:
+def explain_oom(what: str, settings: dict[str, Any], plan: Callable[[], str] | None = None) -> Iterator[None]:
     """Turns an out-of-memory error raised in the block into one RuntimeError that says what to change.
 
     Catches torch.OutOfMemoryError (CUDA) and vLLM's ValueError when the KV cache does not fit; anything else
@@ -478,9 +478,10 @@ def explain_oom(what: str, settings: dict[str, Any]) -> Iterator[None]:
         what: the phase, for the message (e.g. "sft step 12").
         settings: {flag: current value} of the settings that decide memory use, e.g.
             {"data.micro_batch_size_per_gpu": 4, "model.enable_gradient_checkpointing": False}.
+        plan: called only after an out-of-memory error: the run's memory plan as text (perf.plan), appended.
     Raises:
         RuntimeError: "out of memory in {what} ({memory_report()}); lower a size or turn on a saving:
-            --flag (now value), ...", chained to the original error.
+            --flag (now value), ...", then the plan, chained to the original error.
     """
     try:
         yield
@@ -488,9 +489,13 @@ def explain_oom(what: str, settings: dict[str, Any]) -> Iterator[None]:
         if isinstance(e, ValueError) and not any(t in str(e) for t in _VLLM_OOM_TEXT):
             raise
         flags = ", ".join(f"--{k} (now {v})" for k, v in settings.items())
+        try:
+            planned = f"\nThe memory plan of this run:\n{plan()}" if plan is not None else ""
+        except Exception as plan_error:  # the plan is advice; never hide the out-of-memory error behind it
+            planned = f"\n(no memory plan: {plan_error!r})"
         raise RuntimeError(
             f"out of memory in {what} ({memory_report()}); lower a size or turn on a saving: {flags}. "
-            f"Original error: {str(e)[:500]}"
+            f"Original error: {str(e)[:500]}{planned}"
         ) from e
 
 

@@ -179,7 +179,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             with rl.step_timer() as timer:
                 prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
                 compute_advantages(samples, cfg.algorithm)
-                with timer("update"), fsdp.explain_oom("policy update", rl.memory_settings(cfg)):
+                with timer("update"), rl.oom("policy update", cfg):
                     metrics |= actor.update_policy(
                         policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed, pad_id,
                         device, norm_length=cfg.data.max_response_length,

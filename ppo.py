@@ -356,11 +356,11 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         while step < run.total_steps:
             with rl.step_timer() as timer:
                 prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
-                with timer("values"), fsdp.explain_oom("critic values", rl.memory_settings(cfg)):
+                with timer("values"), rl.oom("critic values", cfg):
                     compute_values(critic, samples, cfg.critic, critic_packed, pad_id, device)
                 with timer("adv"):
                     metrics |= advantages_and_returns(samples, cfg.algorithm, kl_ctrl)
-                with timer("update_critic"), fsdp.explain_oom("critic update", rl.memory_settings(cfg)):
+                with timer("update_critic"), rl.oom("critic update", cfg):
                     metrics |= update_critic(
                         critic, critic_optimizer, guard, samples, len(prompts), cfg.critic, critic_packed,
                         pad_id, device, norm_length=cfg.data.max_response_length,
@@ -368,7 +368,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
                 critic_scheduler.step()
                 if step >= cfg.trainer.critic_warmup:
-                    with timer("update_actor"), fsdp.explain_oom("actor update", rl.memory_settings(cfg)):
+                    with timer("update_actor"), rl.oom("actor update", cfg):
                         metrics |= actor.update_policy(
                             policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed,
                             pad_id, device, norm_length=cfg.data.max_response_length,

@@ -221,9 +221,16 @@ def memory_settings(cfg: Any) -> dict[str, Any]:
     }
 
 
+def oom(what: str, cfg: Any) -> contextlib.AbstractContextManager:
+    """fsdp.explain_oom for an RL phase: the memory settings' flags and, on an out-of-memory error, perf.plan."""
+    return fsdp.explain_oom(
+        what, memory_settings(cfg), plan=lambda: perf.plan(cfg, dist.get_world_size()).render()
+    )
+
+
 def make_engine(cfg: Any, run: Run) -> rollout.Engine:
     """This rank's rollout engine on model.path (its weights are replaced by the first push)."""
-    with fsdp.explain_oom("rollout engine start", memory_settings(cfg)):
+    with oom("rollout engine start", cfg):
         return rollout.make_engine(
             cfg.rollout,
             os.path.expanduser(cfg.model.path),
@@ -344,7 +351,7 @@ def generate_and_score(
     """
     cfg = run.cfg
     seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
-    with timer("gen"), fsdp.explain_oom(f"step {step + 1} generation", memory_settings(cfg)):
+    with timer("gen"), oom(f"step {step + 1} generation", cfg):
         samples = generate(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
         engine.sleep()
     samples = [s for s in samples if mine.start <= s.group < mine.stop]
@@ -376,14 +383,13 @@ def make_experience(
         cfg.rollout.temperature,
         cfg.model.use_remove_padding,
     )
-    memory = memory_settings(cfg)
     prompts, mine = run.next_prompts()
     prompts, samples, metrics = generate_and_score(run, engine, prompts, mine, step, timer)
-    with timer("old_logprob"), fsdp.explain_oom("old logprobs", memory):
+    with timer("old_logprob"), oom("old logprobs", cfg):
         metrics |= actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
     check_push(metrics, cfg.rollout, step)
     if ref is not None:
-        with timer("ref"), fsdp.explain_oom("reference logprobs", memory):
+        with timer("ref"), oom("reference logprobs", cfg):
             actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
     return prompts, samples, metrics
 
@@ -406,7 +412,7 @@ def push(
 ) -> None:
     """A step's last phase, "sync": the optimizer states leave the device (when offloaded; they come back at the
     next optimizer step) before the push wakes the engine's KV cache, then the policy's weights go in."""
-    with timer("sync"), fsdp.explain_oom("weight push", memory_settings(run.cfg)):
+    with timer("sync"), oom("weight push", run.cfg):
         for o in offload:
             o.offload()
         actor.push_weights(engine, policy, run.push_dtype)

@@ -375,6 +375,17 @@ def test_explain_oom_catches_once_and_only_out_of_memory():
         with pytest.raises(type(err)) as exc, fsdp.explain_oom("x", settings):
             raise err
         assert exc.value is err
+    # The RL trainers append the run's memory plan (perf.plan), built only once the error happened.
+    calls = []
+    with (
+        pytest.raises(RuntimeError) as exc,
+        fsdp.explain_oom("update", settings, plan=lambda: calls.append(1) or "PLAN"),
+    ):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert calls == [1] and str(exc.value).endswith("The memory plan of this run:\nPLAN")
+    with pytest.raises(RuntimeError) as exc, fsdp.explain_oom("update", settings, plan=lambda: 1 / 0):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert "no memory plan: ZeroDivisionError" in str(exc.value)  # a broken plan never hides the real error
 
 
 def test_out_of_memory_in_a_step_is_reported_once(toy_dir, small_sft, tmp_path, monkeypatch, one_rank):
