@@ -1,12 +1,16 @@
 """The RL loop's plumbing, shared by grpo.py and ppo.py (their algorithms stay in their own files).
 
-    run = rl.start(cfg)                               # process group, tokenizer, datasets, sampler, reward pool
-    engine = rl.make_engine(cfg, run)                 # this rank's rollout engine (rollout.py)
-    step, results = rl.resume(run, components, scheduler, guard)
-    prompts, mine = run.next_prompts()                # the step's prompts for this rank's engine
-    prompts, samples, metrics = rl.generate_and_score(run, engine, prompts, mine, step, timer)  # generate, score
-    ...                                               # the algorithm: advantages, logprobs, updates
-    rl.finish_step(run, step, samples, metrics, timer, save)    # metrics, log, checkpoint
+    run = rl.start(cfg)                          # process group, tokenizer, datasets, sampler, reward pool
+    engine = rl.make_engine(cfg, run)            # this rank's rollout engine (rollout.py)
+    step, results, extra = rl.resume(run, components, scheduler, guard)   # checkpoint (if any), logger
+    if rl.first_push(run, engine, policy, step, results): return results  # push; validate before training
+    while step < run.total_steps:
+        with rl.step_timer() as timer:
+            prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
+            ...                                  # the algorithm: advantages, updates (actor.update_policy)
+            step += 1
+            rl.push(run, engine, policy, timer, offload)                 # the new weights into the engine
+        rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save_fn)  # val, log, save
 
 - Settings shared by both scripts: `DataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*),
   `TrainerConfig` (trainer.*). verl's YAML layout (`actor_rollout_ref.{model,actor,rollout}`) is mapped by

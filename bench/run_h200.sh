@@ -2,8 +2,9 @@
 # Every figure of bench/README.md on one H200, in two device calls of under 10 minutes each, after vLLM 0.24 is
 # installed per ../shared/gpu/README.md (three back-to-back calls; this goes in the third or a later one):
 #
-#   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # ~7 min
-#   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # ~8 min
+#   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
+#   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # 5 min measured
+# both with carry [".gpu3", ".gpu_trl"]
 #
 # A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
 # 1.5B), end to end against TRL (0.5B). FLATRL_COMMIT goes into every JSON (the device's copy has no .git).
@@ -23,6 +24,12 @@ echo "== run_h200.sh part $part, commit $(git rev-parse --short HEAD 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# tyro (config.py) and TRL are not on the device: carry .gpu_trl/ (bench/build_trl_payload.sh) with both parts.
+if [ -d .gpu_trl ] && [ ! -d /tmp/site/tyro ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_trl/*.whl
+fi
+python3 -c "import tyro" || echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh); grpo.py and toy.py fail without it"
 
 run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next bench still runs
   local name=$1; shift
@@ -48,9 +55,6 @@ if [ "$part" = 1 ]; then
     --trainer.total_training_steps 3 --trainer.logger console --trainer.default_local_dir $WORK/toy_grpo \
     --rollout.gpu_memory_utilization 0.2 2>&1 | grep -E 'step [0-9]|logprob|Error|error' | tail -20"
 elif [ "$part" = 2 ]; then
-  if [ -d .gpu_trl ] && [ ! -d /tmp/site/trl ]; then
-    for w in .gpu_trl/*.whl; do python3 -m zipfile -e "$w" /tmp/site/; done
-  fi
   for size in 0.5b 1.5b; do
     run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"
   done
