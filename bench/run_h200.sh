@@ -46,7 +46,10 @@ if [ "$part" = 1 ]; then
     run push-$size python3 bench/bench_push.py --sizes $size --workdir "$WORK" --out "$OUT/push_$size.json"
   done
   if python3 -c "import pytest" 2>/dev/null; then  # the CUDA-only tests, where the device has pytest
-    run gpu-tests python3 -m pytest -q -rs -m gpu tests/test_perf.py tests/test_rollout.py
+    run gpu-tests python3 -m pytest -q -rs -m gpu tests/test_perf.py
+    for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
+      run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
+    done
   fi
   # The whole GRPO loop on CUDA (varlen attention, bf16, sleep/wake, the per-step logprob check), toy size.
   run toy-grpo bash -c "python3 toy.py --out $WORK/toy > /dev/null && python3 -m torch.distributed.run \
