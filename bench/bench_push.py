@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import statistics
 import tempfile
 
@@ -99,12 +98,7 @@ def check_push(engine: rollout.VLLMEngine, policy: torch.nn.Module, device: torc
 def main(args: argparse.Namespace) -> dict:
     d = fsdp.init_distributed()
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
-    sizes = {}
-    for size in args.sizes.split(","):
-        sizes[size] = bench_size(size, args, d, work)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    sizes = common.per_size(args.sizes, lambda size: bench_size(size, args, d, work))
     result = {
         "bench": "push",
         "sizes": sizes,

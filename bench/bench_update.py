@@ -131,12 +131,7 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
 def main(args: argparse.Namespace) -> dict:
     d = fsdp.init_distributed()
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
-    sizes = {}
-    for size in args.sizes.split(","):
-        sizes[size] = bench_size(size, args, d, work)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    sizes = common.per_size(args.sizes, lambda size: bench_size(size, args, d, work))
     settings = {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "short_len", "long_len")}
     settings |= {k: getattr(args, k) for k in ("token_budget", "micro_batch_size", "steps", "mini_batches")}
     result = {

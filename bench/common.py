@@ -95,6 +95,19 @@ def build_model(size: str, out: Path, device: str | None = None) -> Path:
     return out
 
 
+def per_size(sizes: str, bench_size: Any) -> dict[str, Any]:
+    """{size: bench_size(size)} for each of the comma-separated `sizes`, freeing memory between them."""
+    import gc
+
+    out = {}
+    for size in sizes.split(","):
+        out[size] = bench_size(size)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """n prompts of `length` token ids drawn uniformly from [300, vocab) (no special ids), reproducible."""
     rng = random.Random(seed)
