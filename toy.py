@@ -86,18 +86,26 @@ class ToyConfig:
     """Problems in sft/val.parquet and rl/val.parquet (the same problems, disjoint from every train problem)."""
     direct_frac: float = 0.6
     """Share of SFT responses that are the bare answer `#### N`, without the worked columns (see above)."""
+    digits: int = 2
+    """Digits of each operand: 2 is the toy (12,195 problems); 3 is the H200 reproduction's task (1.2M)."""
+    hidden_size: int = 128
+    """Model width (heads of 64, MLP 4x); 128 with 2 layers is the 0.5M-parameter toy."""
+    num_layers: int = 2
+    """Model depth; 8 layers of 512 is the 30M-parameter model of scripts/repro.sh."""
 
 
 Problem = tuple[int, str, int]  # (a, op, b) with op "+" or "-"
 
 
-def all_problems() -> list[Problem]:
-    """Every problem of the task in a fixed order: a + b and a - b for 10 <= a, b <= 99, with a >= b for "-".
+def all_problems(digits: int = 2) -> list[Problem]:
+    """Every problem of the task in a fixed order: a + b and a - b for `digits`-digit a, b, with a >= b for "-".
 
-    12,195 problems (8,100 sums, 4,095 differences), so 200 val problems leave plenty to train on without
-    memorising (a 720-problem multiplication table plateaued at 73% by memorising its train split).
+    2 digits: 12,195 problems (8,100 sums, 4,095 differences), so 200 val problems leave plenty to train on
+    without memorising (a 720-problem multiplication table plateaued at 73% by memorising its train split).
+    3 digits: 1,215,450 problems.
     """
-    return [(a, op, b) for a in range(10, 100) for b in range(10, 100) for op in "+-" if op == "+" or a >= b]
+    lo, hi = 10 ** (digits - 1), 10**digits
+    return [(a, op, b) for a in range(lo, hi) for b in range(lo, hi) for op in "+-" if op == "+" or a >= b]
 
 
 def answer_of(problem: Problem) -> int:
@@ -107,25 +115,33 @@ def answer_of(problem: Problem) -> int:
 
 
 def solve(problem: Problem) -> tuple[str, str]:
-    r"""Worked column solution of `problem` (ones column, then tens column) and its answer.
+    r"""Worked column solution of `problem` (one line per column, ones first) and its answer.
 
-    (47, "+", 38) -> "7+8=15, carry 1\n4+3+1=8\n#### 85"; (52, "-", 17) -> "12-7=5, borrow 1\n5-1-1=3\n#### 35".
+    (47, "+", 38) -> "7+8=15, carry 1\n4+3+1=8\n#### 85"; (52, "-", 17) -> "12-7=5, borrow 1\n5-1-1=3\n#### 35";
+    (512, "-", 498) -> "12-8=4, borrow 1\n11-9-1=1, borrow 1\n5-4-1=0\n#### 14". The top column writes its
+    whole result (a final carry included), so no line mentions a carry or borrow that goes nowhere.
 
     Returns:
         (solution, answer): the solution's last line is `#### <answer>`.
     """
     a, op, b = problem
-    (a1, a0), (b1, b0) = divmod(a, 10), divmod(b, 10)
-    if op == "+":
-        carry = int(a0 + b0 >= 10)
-        ones = f"{a0}+{b0}={a0 + b0}" + (", carry 1" if carry else "")
-        tens = f"{a1}+{b1}" + ("+1" if carry else "") + f"={a1 + b1 + carry}"
-    else:
-        borrow = int(a0 < b0)
-        ones = f"{a0 + 10 * borrow}-{b0}={a0 + 10 * borrow - b0}" + (", borrow 1" if borrow else "")
-        tens = f"{a1}-{b1}" + ("-1" if borrow else "") + f"={a1 - b1 - borrow}"
+    digits = len(str(a))
+    lines, carry = [], 0  # carry: 1 carried (+) or borrowed (-) into this column from the one below
+    for i in range(digits):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        top = i == digits - 1
+        if op == "+":
+            value = x + y + carry
+            out = 0 if top else int(value >= 10)
+            line = f"{x}+{y}" + ("+1" if carry else "") + f"={value}"
+            lines.append(line + (", carry 1" if out else ""))
+        else:
+            out = 0 if top else int(x - carry < y)
+            line = f"{x + 10 * out}-{y}" + ("-1" if carry else "") + f"={x + 10 * out - y - carry}"
+            lines.append(line + (", borrow 1" if out else ""))
+        carry = out
     answer = str(answer_of(problem))
-    return f"{ones}\n{tens}\n#### {answer}", answer
+    return "\n".join(lines) + f"\n#### {answer}", answer
 
 
 def format_prompt(problem: Problem) -> str:
@@ -140,17 +156,19 @@ def parse_prompt(prompt: str) -> Problem:
     return int(a), op, int(b)
 
 
-def make_problem(rng: random.Random) -> tuple[str, str, str]:
+def make_problem(rng: random.Random, digits: int = 2) -> tuple[str, str, str]:
     """Draw one problem uniformly from the task.
 
     Returns:
         (prompt, solution, answer): the user message, the worked solution ending in `#### answer`, the answer.
     """
-    problem = rng.choice(all_problems())
+    problem = rng.choice(all_problems(digits))
     return (format_prompt(problem), *solve(problem))
 
 
-def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list[Problem], list[Problem], list[Problem]]:
+def split_problems(
+    seed: int, n_train: int, n_val: int, digits: int = 2
+) -> tuple[list[Problem], list[Problem], list[Problem]]:
     """Shuffle all problems with `seed`; the first n_val are val, the rest the train pool.
 
     Returns:
@@ -158,7 +176,7 @@ def split_problems(seed: int, n_train: int, n_val: int) -> tuple[list[Problem], 
         replacement once n_train exceeds the pool) from the pool, so both are disjoint from val.
     """
     rng = random.Random(seed)
-    problems = all_problems()
+    problems = all_problems(digits)
     rng.shuffle(problems)
     val, pool = problems[:n_val], problems[n_val:]
     assert pool, f"n_val={n_val} leaves no train problems out of {len(problems)}"
@@ -267,6 +285,9 @@ def build(
     n_train: int = ToyConfig.n_train,
     n_val: int = ToyConfig.n_val,
     direct_frac: float = ToyConfig.direct_frac,
+    digits: int = ToyConfig.digits,
+    hidden_size: int = ToyConfig.hidden_size,
+    num_layers: int = ToyConfig.num_layers,
 ) -> Path:
     """Write DIR/model, DIR/sft/{train,val}.parquet and DIR/rl/{train,val}.parquet (see module docstring).
 
@@ -276,15 +297,18 @@ def build(
         The output folder as a Path.
     """
     out = Path(out)
-    sft_train, rl_train, val = split_problems(seed, n_train, n_val)
+    sft_train, rl_train, val = split_problems(seed, n_train, n_val, digits)
     splits = {"sft/train": sft_train, "sft/val": val, "rl/train": rl_train, "rl/val": val}
 
-    # The whole task, so the vocabulary does not depend on the split; special tokens stay out of the
-    # corpus or BPE would learn merges like "<|" from their spelling.
+    # The whole task (or, past 20,000 problems, a fixed sample of it), so the vocabulary does not depend on the
+    # split; special tokens stay out of the corpus or BPE would learn merges like "<|" from their spelling.
+    problems = all_problems(digits)
+    if len(problems) > 20_000:
+        problems = random.Random(f"{seed}-vocab").sample(problems, 20_000)
     corpus = ["system\nuser\nassistant\n"]
-    corpus += [text for p in all_problems() for text in (format_prompt(p), solve(p)[0])]
+    corpus += [text for p in problems for text in (format_prompt(p), solve(p)[0])]
     tokenizer = build_tokenizer(corpus)
-    model = build_model(tokenizer, seed)
+    model = build_model(tokenizer, seed, hidden_size, num_layers)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
 
@@ -313,7 +337,9 @@ def build(
 
 def main(cfg: ToyConfig) -> Path:
     """Build the toy model and data from `cfg`."""
-    return build(cfg.out, seed=cfg.seed, n_train=cfg.n_train, n_val=cfg.n_val, direct_frac=cfg.direct_frac)
+    return build(
+        cfg.out, cfg.seed, cfg.n_train, cfg.n_val, cfg.direct_frac, cfg.digits, cfg.hidden_size, cfg.num_layers
+    )
 
 
 if __name__ == "__main__":

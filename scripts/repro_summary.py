@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -78,11 +79,17 @@ def main(out: Path) -> dict:
     git = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
     )
-    test_rows = out / "data" / "test.parquet"
+    if (out / "data" / "rl").is_dir():  # TASK=arith3: toy.py's layout
+        task = "three-digit addition and subtraction, worked columns or direct answers; model trained from scratch"
+        model_dir, test_rows = out / "data" / "model", out / "data" / "rl" / "val.parquet"
+    else:
+        task = "countdown, 3-4 numbers in [1, 99], target in [1, 99]; model trained from scratch"
+        model_dir, test_rows = out / "model", out / "data" / "test.parquet"
     summary = {
-        "task": "countdown, 3-4 numbers in [1, 99], target in [1, 99]; model trained from scratch",
-        "commit": git.stdout.strip() or "unknown",
-        "model": model_size(out / "model") if (out / "model").is_dir() else None,
+        "task": task,
+        # the GPU machine's copy of the tree has no .git: scripts/repro.sh's caller passes FLATRL_COMMIT there
+        "commit": git.stdout.strip() or os.environ.get("FLATRL_COMMIT", "unknown"),
+        "model": model_size(model_dir) if model_dir.is_dir() else None,
         "n_test": _rows(test_rows) if test_rows.is_file() else None,
         "wall_s_data_and_model": read_clock(out / "wall_s.txt").get("data"),
         "seeds": seeds,

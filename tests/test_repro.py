@@ -67,7 +67,7 @@ def test_repro_pipeline_at_toy_size(tmp_path):
     assert 4e5 < summary["model"]["parameters"] < 7e5
     s = summary["seeds"]["0"]
     assert s["steps"] == {"sft": 40, "grpo": 2, "ppo": 2}
-    # Random init starts near ln(340) = 5.8; 40 SFT steps at lr 3e-3 reach ~2.2 (measured 2.2 on 2 CPU cores).
+    # Random init starts near ln(293) = 5.7 (TASK=arith3's vocabulary); 40 SFT steps at lr 3e-3 fall well below.
     assert s["val_loss_before_sft"] > 5.0 and s["val_loss_after_sft"] < 0.6 * s["val_loss_before_sft"]
     for k in ("acc_after_sft", "acc_after_grpo", "acc_after_ppo"):
         assert 0.0 <= s[k] <= 1.0 and (s[k] * 64).is_integer(), (k, s[k])  # a share of the 64 problems

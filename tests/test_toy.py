@@ -139,3 +139,34 @@ def test_worked_steps_by_hand() -> None:
     assert len(toy.all_problems()) == 90 * 90 + 90 * 91 // 2
     prompt, solution, answer = toy.make_problem(random.Random(0))
     assert toy.solve(toy.parse_prompt(prompt)) == (solution, answer)
+
+
+def test_three_digit_worked_steps() -> None:
+    """toy.py --digits 3 (scripts/repro.sh's task): every line is true arithmetic and the columns spell the answer."""
+    assert toy.solve((512, "-", 498)) == ("12-8=4, borrow 1\n11-9-1=1, borrow 1\n5-4-1=0\n#### 14", "14")
+    assert toy.solve((999, "+", 999)) == ("9+9=18, carry 1\n9+9+1=19, carry 1\n9+9+1=19\n#### 1998", "1998")
+    assert toy.solve((305, "+", 104)) == ("5+4=9\n0+0=0\n3+1=4\n#### 409", "409")
+    problems = toy.all_problems(3)
+    assert len(problems) == 900 * 900 + 900 * 901 // 2
+    for problem in random.Random(0).sample(problems, 3000):
+        solution, answer = toy.solve(problem)
+        *columns, last = solution.split("\n")
+        assert last == f"#### {answer}" and len(columns) == 3
+        values = []
+        for line in columns:
+            expr, value = line.split(",")[0].split("=")
+            left, *rest = expr.replace("-", " -").replace("+", " +").split()
+            assert int(left) + sum(int(t) for t in rest) == int(value), (problem, line)
+            values.append(int(value))
+        # ones and tens digits, then the top column's whole value: the answer read left to right
+        assert int(f"{values[2]}{values[1] % 10}{values[0] % 10}") == int(answer), (problem, solution)
+
+
+def test_three_digit_build_is_disjoint(tmp_path) -> None:
+    out = toy.build(tmp_path / "t", seed=0, n_train=500, n_val=64, digits=3, hidden_size=128, num_layers=1)
+    sft, val = (pq.read_table(out / "sft" / f"{s}.parquet").to_pylist() for s in ("train", "val"))
+    assert len(val) == 64 and len(sft) == 500
+    assert not {r["prompt"] for r in val} & {r["prompt"] for r in sft}
+    assert all(99 < toy.parse_prompt(r["prompt"])[0] < 1000 for r in sft)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 128
