@@ -76,9 +76,12 @@ def main(out: Path) -> dict:
     seeds = {p.name.removeprefix("seed"): seed_summary(p) for p in sorted(out.glob("seed*")) if p.is_dir()}
     if not seeds:
         raise FileNotFoundError(f"no seed<S>/ run folders under {out}")
-    git = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    )
+    try:
+        git = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except FileNotFoundError:  # no git binary
+        git = ""
     if (out / "data" / "rl").is_dir():  # TASK=arith3: toy.py's layout
         task = "three-digit addition and subtraction, worked columns or direct answers; model trained from scratch"
         model_dir, test_rows = out / "data" / "model", out / "data" / "rl" / "val.parquet"
@@ -88,7 +91,7 @@ def main(out: Path) -> dict:
     summary = {
         "task": task,
         # the GPU machine's copy of the tree has no .git: scripts/repro.sh's caller passes FLATRL_COMMIT there
-        "commit": git.stdout.strip() or os.environ.get("FLATRL_COMMIT", "unknown"),
+        "commit": git or os.environ.get("FLATRL_COMMIT", "unknown"),
         "model": model_size(model_dir) if model_dir.is_dir() else None,
         "n_test": _rows(test_rows) if test_rows.is_file() else None,
         "wall_s_data_and_model": read_clock(out / "wall_s.txt").get("data"),
