@@ -258,7 +258,7 @@ class Plan:
         lines = ["memory plan (estimates from config.json and the settings; GiB):"]
         for name, parts in self.phases.items():
             detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if v >= 0.05 * GIB)
-            lines.append(f"  {name:<12} {sum(parts.values()) / GIB:7.1f}  ({detail})")
+            lines.append(f"  {name:<13} {sum(parts.values()) / GIB:7.1f}  ({detail})")
         name, peak = self.peak
         if self.device_total is None:
             lines.append(f"  peak {peak / GIB:.1f} GiB in {name}; no CUDA device here to compare with")
@@ -294,11 +294,17 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     gen, sync            + the engine's budget rollout.gpu_memory_utilization x device memory (weights, KV
                          cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES
     every phase          + CUDA_CONTEXT_BYTES
+    PPO (cfg.critic)     + the critic's fp32 params 4P/W and AdamW 8P/W (its own fsdp_config; AdamW off the device
+                         in rollout like the actor's); the reference also with algorithm.use_kl_in_reward; an
+                         "update_critic" phase: critic gradients, activations of a critic micro-batch, its
+                         unsharded copies, no logits (a scalar head)
     """
     P, W = shape.params, world_size
     fs = cfg.model.fsdp_config
     lora = getattr(cfg.model, "lora_rank", 0) > 0
-    ref = 4 * P / W if getattr(cfg.actor, "use_kl_loss", False) and not lora else 0.0
+    algorithm = getattr(cfg, "algorithm", None)  # PPO's KL-in-reward also needs the reference
+    kl = getattr(cfg.actor, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False)
+    ref = 4 * P / W if kl and not lora else 0.0
     params = 0.0 if fs.cpu_offload else 4 * P / W
     adam = 0.0 if fs.cpu_offload else 8 * P / W
     grads = 0.0 if fs.cpu_offload else 4 * P / W
@@ -312,7 +318,14 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     rollout_adam = 0.0 if getattr(fs, "offload_optimizer_in_rollout", False) else adam
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
-    return {
+    critic = getattr(cfg, "critic", None)
+    c_adam = c_rollout_adam = 0.0
+    if critic is not None:
+        c_off = critic.model.fsdp_config.cpu_offload
+        base["critic params"] = 0.0 if c_off else 4 * P / W
+        c_adam = 0.0 if c_off else 8 * P / W
+        c_rollout_adam = 0.0 if getattr(fs, "offload_optimizer_in_rollout", False) else c_adam
+    phases = {
         "gen": base | {"optimizer": rollout_adam, "engine": engine},
         "old_logprob": base
         | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
@@ -323,6 +336,26 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         | {"logits": logits_bytes_per_token(shape, True) * T, "kernel": workspace},
         "sync": base | {"optimizer": rollout_adam, "engine": engine, "unsharded": unsharded},
     }
+    if critic is None:
+        return phases
+    for name, phase in phases.items():  # the critic's AdamW is back on the device from its own first step
+        phase["critic optimizer"] = c_adam if name == "update" else c_rollout_adam
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    Tc = (
+        max(critic.ppo_max_token_len_per_gpu, longest)
+        if critic.use_dynamic_bsz
+        else critic.ppo_micro_batch_size_per_gpu * longest
+    )
+    c_ckpt = critic.model.enable_gradient_checkpointing
+    phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
+        "optimizer": rollout_adam,
+        "critic optimizer": c_adam,
+        "critic grads": 0.0 if critic.model.fsdp_config.cpu_offload else 4 * P / W,
+        "engine asleep": asleep,
+        "unsharded": unsharded,
+        "activations": activation_bytes_per_token(shape, c_ckpt) * Tc,
+    }
+    return phases
 
 
 def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Plan:
@@ -350,5 +383,7 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         "(or --model.fsdp_config.cpu_offload)",
         "sync": "lower --rollout.gpu_memory_utilization or turn on "
         "--model.fsdp_config.offload_optimizer_in_rollout",
+        "update_critic": "lower --critic.ppo_micro_batch_size_per_gpu (or --critic.ppo_max_token_len_per_gpu "
+        "with --critic.use_dynamic_bsz), or turn on --critic.model.enable_gradient_checkpointing",
     }
     return Plan(_plan_phases(cfg, shape, world_size, device_total), device_total, fixes)

@@ -3,6 +3,7 @@ data.pack_batch(mask_dtype=None)) against the padded layout; CUDA-only checks ar
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,8 @@ import data
 import fsdp
 import losses
 import perf
+import ppo
+import rl
 import rollout
 
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -253,3 +256,42 @@ def test_per_call_seed_is_reproducible_and_ignore_eos_fixes_lengths(toy_dir):
         assert torch.equal(torch.get_rng_state(), state)  # the caller's generator is left as it was
     finally:
         engine.shutdown()
+
+
+def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
+    """ppo.py's config: the critic's params and AdamW in every phase, its own update phase, and the reference
+    model when the KL is in the reward (no KL loss)."""
+    Qwen2Config(**QWEN05).save_pretrained(tmp_path)
+    P, GiB = 494_032_768, 2**30
+    grpo_cfg = _plan_cfg(str(tmp_path))
+    cfg = ppo.PPOConfig(
+        model=grpo_cfg.model,
+        actor=grpo_cfg.actor,
+        rollout=grpo_cfg.rollout,
+        data=rl.DataConfig(max_prompt_length=256, max_response_length=512),
+        critic=ppo.CriticConfig(ppo_micro_batch_size_per_gpu=4),
+        algorithm=ppo.AlgorithmConfig(use_kl_in_reward=True),
+    )
+    phases = perf.plan(cfg, world_size=2, device_total=140 * GiB).phases
+    plain = perf.plan(grpo_cfg, world_size=2, device_total=140 * GiB).phases
+    for name in ("gen", "old_logprob", "update", "sync"):
+        assert phases[name]["critic params"] == 2 * P and phases[name]["reference"] == 2 * P
+        assert phases[name]["critic optimizer"] == 4 * P
+        assert sum(phases[name].values()) == sum(plain[name].values()) + 8 * P  # critic 6P/rank, reference 2P
+    crit = phases["update_critic"]
+    assert crit["critic grads"] == 2 * P and "logits" not in crit
+    assert crit["activations"] == 4 * 768 * perf.activation_bytes_per_token(
+        perf.model_shape(str(tmp_path)), False
+    )
+    offload = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=True)),
+    )
+    gen = perf.plan(offload, world_size=2, device_total=140 * GiB).phases["gen"]
+    assert gen["critic optimizer"] == 0 and gen["optimizer"] == 0
+    big = dataclasses.replace(cfg, critic=ppo.CriticConfig(ppo_micro_batch_size_per_gpu=64))
+    text = perf.plan(
+        big, world_size=2, device_total=60 * GiB
+    ).render()  # the actor's update fits, the critic's not
+    assert "update_critic does not fit: lower --critic.ppo_micro_batch_size_per_gpu" in text
+    assert "update does not fit" not in text
