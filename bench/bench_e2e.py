@@ -201,10 +201,29 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 
 def common_tokenizer(path: str):
-    """The model folder's tokenizer (AutoTokenizer: bench/common.py's survives its Qwen2 rebuild)."""
+    """The model folder's tokenizer, loaded as grpo.py loads it (AutoTokenizer picks Qwen2Tokenizer)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def check_prompts(model: str, data: str, length: int) -> None:
+    """Stops before either run unless the folder's tokenizer encodes every prompt to `length` tokens.
+
+    A folder without bench/common.py's tokenizer files loads as a one-id Qwen2Tokenizer that encodes every
+    prompt to [], which both frameworks only report from inside vLLM ("The decoder prompt cannot be empty").
+    """
+    import pyarrow.parquet as pq
+
+    tok = common_tokenizer(model)
+    lengths = {
+        len(tok(p, add_special_tokens=False)["input_ids"]) for p in pq.read_table(data)["prompt"].to_pylist()
+    }
+    if lengths != {length}:
+        raise SystemExit(
+            f"{model}: {type(tok).__name__} of {len(tok)} ids encodes the bench prompts of {length} "
+            f"letters to {sorted(lengths)} tokens; rebuild the folder (bench/common.py build_model)"
+        )
 
 
 def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
@@ -243,6 +262,7 @@ def main(args: argparse.Namespace) -> dict:
         data = str(
             write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (args.steps + 1), args.prompt_len)
         )
+        check_prompts(model, data, args.prompt_len)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     flatrl = run_flatrl(args, model, data, work)

@@ -60,6 +60,18 @@ def make_tokenizer(vocab_size: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
+def model_config(size: str) -> Any:
+    """The Qwen2Config of the benchmark model `size` (0.5b, 1.5b): Qwen2.5's config.json values, bf16."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=SPECIALS["<|im_end|>"], pad_token_id=SPECIALS["<|endoftext|>"],
+        use_sliding_window=False, dtype="bfloat16", **SHAPES[size],
+    )  # fmt: skip
+
+
 def build_model(size: str, out: Path, device: str | None = None) -> Path:
     """The benchmark model `size` (toy, 0.5b, 1.5b) saved under `out` (reused when already there).
 
@@ -72,23 +84,22 @@ def build_model(size: str, out: Path, device: str | None = None) -> Path:
         if not (out / "model" / "config.json").is_file():
             toy.build(out, n_train=64, n_val=8)
         return out / "model"
-    if (out / "config.json").is_file():
+    # The tokenizer is written last and marks a finished folder. A folder with config.json and no tokenizer (a
+    # build that died in make_tokenizer: the H200's first run had no tyro for `import toy`) was once reused, and
+    # AutoTokenizer then made a Qwen2Tokenizer of one id that encodes every prompt to [] (transformers 5.17-5.19).
+    if (out / "tokenizer.json").is_file():
         return out
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    tokenizer = make_tokenizer()  # before any file is written
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, max_position_embeddings=32768, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=SPECIALS["<|im_end|>"], pad_token_id=SPECIALS["<|endoftext|>"],
-        use_sliding_window=False, dtype="bfloat16", **SHAPES[size],
-    )  # fmt: skip
+    cfg = model_config(size)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1.5B parameters on the GPU takes a second, on a CPU minutes
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
     model.save_pretrained(out)
-    make_tokenizer().save_pretrained(out)
+    tokenizer.save_pretrained(out)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

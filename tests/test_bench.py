@@ -1,5 +1,7 @@
 """Every bench script runs once at toy size on CPU, as a user runs it (`python bench/x.py --toy --out FILE`), and
-prints one JSON line with its figures: the scripts stay runnable between GPU runs. Slow: each starts vLLM."""
+prints one JSON line with its figures: the scripts stay runnable between GPU runs. Slow: each starts vLLM.
+The benchmark models' tokenizer is checked as AutoTokenizer loads it under this venv's transformers and 5.17 (the
+H200's, from a local wheel when there is one)."""
 
 from __future__ import annotations
 
@@ -87,3 +89,87 @@ def test_bench_e2e(tmp_path, work):
     assert f["step_s"] > 0 and f["samples_per_hour"] > 0 and len(f["steps_s"]) == 2
     assert f["logprob_diff_mean"] < 1e-3 and f["mfu"] > 0  # grpo.py logs perf/mfu
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
+
+
+# What grpo.py and TRL see of a benchmark folder: AutoTokenizer.from_pretrained over bench/common.py's config.json
+# and tokenizer, in a fresh process (argv: folder; "write" the tokenizer, or not), printed as one JSON line.
+TOKENIZER_CHECK = """
+import json, sys
+sys.path.insert(0, "bench")
+import common, transformers
+from transformers import AutoTokenizer
+folder, mode = sys.argv[1:]
+common.model_config("0.5b").save_pretrained(folder)
+if mode == "write":
+    common.make_tokenizer().save_pretrained(folder)
+tok = AutoTokenizer.from_pretrained(folder)
+ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ("qwertyzab", "<|im_start|>user\\nhi<|im_end|>")]
+sampled = common.random_prompts(1, 64, common.VOCAB)[0] + [common.VOCAB - 1]
+print(json.dumps({"version": transformers.__version__, "cls": type(tok).__name__, "len": len(tok), "ids": ids,
+                  "decoded": [tok.decode(i) for i in ids], "sampled": len(tok.decode(sampled))}))
+"""
+
+
+def check_tokenizer(folder: Path, mode: str, pythonpath: str | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    p = subprocess.run([sys.executable, "-c", TOKENIZER_CHECK, str(folder), mode], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def assert_bench_tokenizer(r: dict) -> None:
+    # A letter is one id, its rank in the sorted byte-level alphabet: "!" (33) is 0, so "a" is 97 - 33 = 64.
+    assert r["cls"] == "Qwen2Tokenizer" and r["len"] == 151936, r
+    assert r["ids"][0] == [ord(c) - 33 for c in "qwertyzab"], r
+    assert r["ids"][1] == [151644] + [ord(c) - 33 for c in "user"] + [198, 71, 72, 151645], r  # "\n" is 198
+    assert r["decoded"] == ["qwertyzab", "<|im_start|>user\nhi<|im_end|>"]
+    assert r["sampled"] > 64  # every id the model can sample decodes to text
+
+
+def test_bench_tokenizer(tmp_path):
+    assert_bench_tokenizer(check_tokenizer(tmp_path / "m", "write"))
+
+
+def test_folder_without_tokenizer_encodes_to_nothing(tmp_path, monkeypatch):
+    # The H200's e2e failure: config.json without the tokenizer gives a one-id Qwen2Tokenizer that drops every
+    # character; build_model no longer reuses such a folder, and bench_e2e.check_prompts stops on it.
+    r = check_tokenizer(tmp_path / "m", "config-only")
+    assert r["cls"] == "Qwen2Tokenizer" and r["len"] == 1 and r["ids"] == [[], []]
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+
+    data = bench_e2e.write_prompts(tmp_path / "prompts.parquet", rows=3, length=16)
+    with pytest.raises(SystemExit, match=r"Qwen2Tokenizer of 1 ids encodes .* to \[0\] tokens"):
+        bench_e2e.check_prompts(str(tmp_path / "m"), str(data), 16)
+
+
+@pytest.fixture(scope="module")
+def transformers_517(tmp_path_factory) -> str:
+    """transformers 5.17 (the H200's) and a huggingface_hub it accepts, installed from local wheels into a folder."""
+    wheels = [
+        sorted(Path("/opt/pypi/files").glob(g))
+        for g in ("transformers-5.17.0-*.whl", "huggingface_hub-1.*.whl")
+    ]
+    if not all(wheels):
+        pytest.skip("no transformers 5.17 / huggingface_hub 1.x wheel under /opt/pypi/files")
+    target = tmp_path_factory.mktemp("tf517")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target)]
+    p = subprocess.run([*cmd, wheels[0][-1], wheels[1][-1]], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return str(target)
+
+
+@pytest.mark.slow  # installs a wheel, three processes
+def test_bench_tokenizer_transformers_517(tmp_path, transformers_517):
+    # Written and read under 5.17, and written under 5.17 but read under this venv's version.
+    r = check_tokenizer(tmp_path / "m", "write", pythonpath=transformers_517)
+    assert r["version"] == "5.17.0"
+    assert_bench_tokenizer(r)
+    assert_bench_tokenizer(check_tokenizer(tmp_path / "m", "read"))
+    r = check_tokenizer(tmp_path / "bare", "config-only", pythonpath=transformers_517)
+    assert (
+        r["version"] == "5.17.0" and r["len"] == 1 and r["ids"] == [[], []]
+    )  # the failure is not 5.19's alone
