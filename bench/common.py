@@ -130,11 +130,7 @@ def hardware() -> dict[str, Any]:
     """The machine the figures come from: GPU (name, memory, count) or CPU, and library versions."""
     import log
 
-    info = log.run_info()
-    if (
-        info["commit"] == "unknown"
-    ):  # a copy of the tree without .git (the GPU machine): run_h200.sh passes it
-        info["commit"], info["dirty"] = os.environ.get("FLATRL_COMMIT", "unknown"), None
+    info = log.run_info()  # FLATRL_COMMIT, set by run_h200.sh, names the commit on the GPU machine
     out: dict[str, Any] = {
         "date": info["date"], "commit": info["commit"], "dirty": info["dirty"], "host": platform.node(),
         "python": info["versions"]["python"], "torch": torch.__version__,

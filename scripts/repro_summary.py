@@ -90,8 +90,8 @@ def main(out: Path) -> dict:
         model_dir, test_rows = out / "model", out / "data" / "test.parquet"
     summary = {
         "task": task,
-        # the GPU machine's copy of the tree has no .git: scripts/repro.sh's caller passes FLATRL_COMMIT there
-        "commit": git or os.environ.get("FLATRL_COMMIT", "unknown"),
+        # the GPU machine's copy of the tree has a stale .git or none: its caller passes FLATRL_COMMIT there
+        "commit": os.environ.get("FLATRL_COMMIT") or git or "unknown",
         "model": model_size(model_dir) if model_dir.is_dir() else None,
         "n_test": _rows(test_rows) if test_rows.is_file() else None,
         "wall_s_data_and_model": read_clock(out / "wall_s.txt").get("data"),

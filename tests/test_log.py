@@ -132,6 +132,11 @@ def test_run_info(tmp_path, monkeypatch):
     (tmp_path / "sub").mkdir()
     info = log.run_info()
     assert info["commit"] == "unknown" and info["dirty"] is None
+    # A copied tree (the GPU machine's) names its commit through FLATRL_COMMIT, over any .git it carries.
+    monkeypatch.setattr(log, "__file__", str(repo / "log.py"))
+    monkeypatch.setenv("FLATRL_COMMIT", "7bd685f")
+    info = log.run_info()
+    assert info["commit"] == "7bd685f" and info["dirty"] is None
 
 
 def test_write_run_files(tmp_path):
