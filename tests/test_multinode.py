@@ -1,9 +1,13 @@
-"""HSDP, simulated on one CPU host (nothing here has run on more than one GPU).
+"""Several nodes and HSDP, simulated on one CPU host (nothing here has run on more than one GPU).
 
 - HSDP (fsdp.device_mesh's 2-D mesh: shard within k consecutive ranks, replicate across the groups) gives
   sft.py the losses and gradient norms of plain FSDP and of one process, and its checkpoint resumes on one
   process and merges with shard_merge.py.
 - The groups of the 2-D mesh fail within trainer.timeout_s when a peer hangs, as the default group does.
+- Two torchrun agents on localhost are two nodes of one job (`--nnodes 2`, one process each, LOCAL_RANK 0 on
+  both): sft.py (c10d rendezvous, HSDP across the "nodes") matches one process; grpo.py (static rendezvous with
+  --node-rank, vLLM under external_launcher) runs with an exact weight push.
+- vLLM tensor parallelism under external_launcher (2 ranks sharing one engine) runs grpo.py with an exact push.
 
     python tests/test_multinode.py TIMEOUT_S    # the worker of test_hsdp_groups_fail_within_the_timeout
 """
@@ -23,6 +27,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, free_port, read_metrics, torchrun
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def flags(d: dict) -> list[str]:
@@ -192,6 +198,128 @@ def test_plan_counts_the_hsdp_shard_not_the_world(tmp_path):
 
     assert update(16, 0)["optimizer"] == 8 * P / 16  # plain FSDP: sharded over all 16
     assert update(16, 8)["optimizer"] == 8 * P / 8 and update(16, 8)["params"] == 4 * P / 8  # 2 nodes of 8
+
+
+# ------------------------------------------------------------------------------------ two nodes, one host
+
+
+def two_nodes(
+    script: str, args: list[str], logs: Path, rdzv: str, env: dict | None = None, limit_s: float = 300
+):
+    """Runs `script` as a job of two torchrun agents on this host, one process each, and waits for both.
+
+    rdzv="c10d": `--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID` (the node ranks are given in
+    the order the agents join; torchrun ignores --node-rank there). rdzv="static": `--node-rank 0|1
+    --master-addr 127.0.0.1 --master-port PORT`. Fails the test unless both agents exit 0 within limit_s.
+    """
+    port = str(free_port())
+    if rdzv == "c10d":
+        launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"sim{port}"]
+    else:
+        launch = ["--master-addr", "127.0.0.1", "--master-port", port]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    procs, files = [], []
+    for node in (0, 1):
+        node_rank = ["--node-rank", str(node)] if rdzv == "static" else []
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", *node_rank, "--nproc-per-node", "1",
+               *launch, str(ROOT / script), *args]  # fmt: skip
+        files.append(open(logs / f"node{node}.log", "w"))  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=files[-1], stderr=subprocess.STDOUT)
+        )
+    deadline = time.monotonic() + limit_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # the agent stops its worker
+                p.wait(timeout=60)
+        for f in files:
+            f.close()
+    tails = "\n".join(f"--- node {n}:\n" + (logs / f"node{n}.log").read_text()[-4000:] for n in (0, 1))
+    assert [p.returncode for p in procs] == [0, 0], tails
+    return tails
+
+
+@pytest.mark.slow
+def test_two_nodes_sft_matches_one_process(toy_dir, tmp_path):
+    """Two "nodes" of one process, HSDP shard within a node (1) and replicate across: one process's losses."""
+    two = tmp_path / "two"
+    two.mkdir()
+    over = {"model.fsdp_config.hsdp_shard_size": 1, "trainer.total_training_steps": 2}
+    two_nodes("sft.py", sft_args(toy_dir, two / "run", **over), two, rdzv="c10d")
+    torchrun("sft.py", sft_args(toy_dir, tmp_path / "one", **{"trainer.total_training_steps": 2}), nproc=1)
+    for key, tol in (("train/loss", 1e-5), ("train/grad_norm", 1e-4)):
+        got, want = by_step(two / "run", key), by_step(tmp_path / "one", key)
+        assert sorted(got) == [1, 2], got
+        for s in (1, 2):
+            assert abs(got[s] - want[s]) < tol * max(1.0, want[s]), (key, s, got[s], want[s])
+    state = json.loads((two / "run" / "global_step_2" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+
+
+DIGITS_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # the share of digits in the response: an untrained model's samples differ, so groups carry a signal
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+def grpo_args(toy: Path, tmp: Path, **over) -> list[str]:
+    """grpo.py for 2 steps on the toy's untrained model: 4 prompts x 4 samples of 16 tokens, digits rewarded."""
+    (tmp / "digits.py").write_text(DIGITS_REWARD)
+    args = {
+        "data.train_files": toy / "rl/train.parquet",
+        "data.val_files": "None",
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 16,
+        "data.train_batch_size": 4,
+        "model.path": toy / "model",
+        "actor.ppo_mini_batch_size": 4,
+        "actor.ppo_micro_batch_size_per_gpu": 16,
+        "actor.optim.lr": 1e-3,
+        "rollout.n": 4,
+        "rollout.enforce_eager": "",  # no torch.compile warm-up: ~30 s less per engine on CPU
+        "rollout.max_num_seqs": 16,
+        "custom_reward_function.path": tmp / "digits.py",
+        "custom_reward_function.num_workers": 0,
+        "trainer.total_training_steps": 2,
+        "trainer.default_local_dir": tmp / "run",
+        "trainer.logger": "jsonl",
+    }
+    return flags(args | over)
+
+
+def check_grpo_run(run: Path) -> None:
+    """Both steps pushed exact weights after a real update, scored every sample, and left a complete checkpoint."""
+    import fsdp
+
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-3, r  # step 2: the engine runs the updated weights
+        assert r["reward/errors"] == 0 and 0 < r["reward/mean"] < 1 and r["reward/std"] > 0, r
+        assert r["actor/grad_norm"] > 0, r  # the groups carried a signal: the weights moved
+    assert fsdp.checkpoint_problem(run / "global_step_2") is None
+
+
+@pytest.mark.slow
+def test_two_nodes_grpo_pushes_exact_weights(toy_dir, tmp_path):
+    """grpo.py on two "nodes" (static rendezvous, --node-rank): each rank's vLLM engine (external_launcher, tp 1)
+    receives the trained weights every step; rewards are summed over the nodes."""
+    two_nodes("grpo.py", grpo_args(toy_dir, tmp_path), tmp_path, rdzv="static", env=ENV)
+    check_grpo_run(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_grpo_tensor_parallel_rollout(toy_dir, tmp_path):
+    """Two ranks sharing one vLLM engine (rollout.tensor_model_parallel_size 2, external_launcher; both generate
+    the group's prompts, rl.Run.next_prompts): the push into the engine's tensor-parallel shards is exact."""
+    args = grpo_args(toy_dir, tmp_path, **{"rollout.tensor_model_parallel_size": 2})
+    torchrun("grpo.py", args, nproc=2, env=ENV)
+    check_grpo_run(tmp_path / "run")
 
 
 if __name__ == "__main__":
