@@ -208,8 +208,8 @@ def two_nodes(
 ):
     """Runs `script` as a job of two torchrun agents on this host, one process each, and waits for both.
 
-    rdzv="c10d": `--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID` (the node ranks are given in
-    the order the agents join; torchrun ignores --node-rank there). rdzv="static": `--node-rank 0|1
+    rdzv="c10d": `--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID` (the rendezvous numbers the
+    nodes by host name, then agent pid; torchrun ignores --node-rank there). rdzv="static": `--node-rank 0|1
     --master-addr 127.0.0.1 --master-port PORT`. Fails the test unless both agents exit 0 within limit_s.
     """
     port = str(free_port())
