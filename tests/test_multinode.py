@@ -293,7 +293,8 @@ def grpo_args(toy: Path, tmp: Path, **over) -> list[str]:
 
 
 def check_grpo_run(run: Path) -> None:
-    """Both steps pushed exact weights after a real update, scored every sample, and left a complete checkpoint."""
+    """Both steps pushed exact weights after a real update, scored every sample, and left a complete checkpoint
+    of a 2-rank job."""
     import fsdp
 
     rows = read_metrics(run)
@@ -303,12 +304,13 @@ def check_grpo_run(run: Path) -> None:
         assert r["reward/errors"] == 0 and 0 < r["reward/mean"] < 1 and r["reward/std"] > 0, r
         assert r["actor/grad_norm"] > 0, r  # the groups carried a signal: the weights moved
     assert fsdp.checkpoint_problem(run / "global_step_2") is None
+    assert json.loads((run / "global_step_2" / "trainer_state.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.slow
 def test_two_nodes_grpo_pushes_exact_weights(toy_dir, tmp_path):
     """grpo.py on two "nodes" (static rendezvous, --node-rank): each rank's vLLM engine (external_launcher, tp 1)
-    receives the trained weights every step; rewards are summed over the nodes."""
+    receives the trained weights every step."""
     two_nodes("grpo.py", grpo_args(toy_dir, tmp_path), tmp_path, rdzv="static", env=ENV)
     check_grpo_run(tmp_path / "run")
 
@@ -318,8 +320,10 @@ def test_grpo_tensor_parallel_rollout(toy_dir, tmp_path):
     """Two ranks sharing one vLLM engine (rollout.tensor_model_parallel_size 2, external_launcher; both generate
     the group's prompts, rl.Run.next_prompts): the push into the engine's tensor-parallel shards is exact."""
     args = grpo_args(toy_dir, tmp_path, **{"rollout.tensor_model_parallel_size": 2})
-    torchrun("grpo.py", args, nproc=2, env=ENV)
+    p = torchrun("grpo.py", args, nproc=2, env=ENV)
     check_grpo_run(tmp_path / "run")
+    # vLLM logs its engine config: one engine over the 2 ranks, not one engine per rank
+    assert "tensor_parallel_size=2," in p.stdout + p.stderr, p.stderr[-4000:]
 
 
 if __name__ == "__main__":
