@@ -3,8 +3,13 @@
 - `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or starts a
   one-process group when run as plain `python script.py`, so every code path below is the same for 1 and N ranks.
   nccl on GPU, gloo on CPU, with a timeout so a dead rank turns into an error instead of a hang.
+  LOCAL_RANK picks the GPU (it restarts at 0 on every node); on CPU there is no device index.
 - `load_model` + `shard_model`: any Hugging Face causal LM, `fully_shard` on each decoder layer and then the root.
   On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction. On CPU: fp32 throughout.
+- `device_mesh`: what FSDP2 shards over. Plain FSDP: a 1-D mesh of all ranks. HSDP (`hsdp_shard_size` k): a 2-D
+  mesh [world / k, k] ("replicate", "shard"): parameters, gradients and optimizer state are sharded within each
+  group of k consecutive ranks (a node) and replicated across the groups, so the all-gathers and
+  reduce-scatters stay inside a node and only one gradient all-reduce per step crosses nodes.
 - `iter_full_params`: all-gathers one parameter at a time (no whole-model spike) for saving and weight pushes.
 - Checkpoints with torch.distributed.checkpoint (DCP) under `RUN/global_step_N/`:
       model/              DCP of the model state dict (Hugging Face key names)
@@ -57,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
@@ -75,6 +81,9 @@ class FSDPConfig:
     the KV cache and the optimizer state are never on the GPU together; two copies of 8 bytes/parameter per step."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each layer's forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    hsdp_shard_size: int = 0
+    """HSDP: shard within groups of this many consecutive ranks (one node: 8 on 8-GPU nodes) and replicate across
+    the groups (fsdp.device_mesh); must divide the world size. 0: plain FSDP, sharded over all ranks."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,12 @@ class Dist:
         return self.rank == 0
 
 
+# init_distributed's timeout, which device_mesh gives the groups of a 2-D mesh
+_timeout_s: float | None = None
+# device_mesh's 2-D meshes of the current default group: policy, reference and critic share their groups
+_meshes: dict[tuple[str, int], tuple[Any, DeviceMesh]] = {}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,10 +120,11 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
     Returns:
         Dist with rank, world size, local rank and the device this rank computes on.
     """
+    global _timeout_s
     if "RANK" not in os.environ:  # plain `python script.py`: a group of one, so the code path is the same
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # 0 on every node's first process
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -121,6 +137,7 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        _timeout_s = timeout_s
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -348,12 +365,54 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def device_mesh(device_type: str, hsdp_shard_size: int = 0) -> DeviceMesh:
+    """The mesh FSDP2 shards over (collective: every rank calls it with the same arguments).
+
+    Args:
+        device_type: "cuda" or "cpu".
+        hsdp_shard_size: 0: a 1-D mesh of all ranks (plain FSDP; its group is the default process group).
+            k > 0: a 2-D mesh of shape [world / k, k] named ("replicate", "shard"): row i holds ranks i*k ..
+            i*k + k - 1, so torchrun's consecutive ranks of one node shard together (k = GPUs per node) and
+            the ranks with the same r % k across nodes hold the same shard (HSDP).
+    Returns:
+        the DeviceMesh. The groups of a 2-D mesh get init_distributed's timeout (torch would give them its
+        default, 30 min for gloo and 10 for nccl, and a dead rank would hang the others that long), and are
+        made once per default group: every model sharded alike shares them (one communicator per dimension).
+    Raises:
+        ValueError when k is negative or does not divide the world size.
+    """
+    world, k = dist.get_world_size(), hsdp_shard_size
+    if k == 0:
+        return init_device_mesh(device_type, (world,))
+    if k < 0 or world % k:
+        raise ValueError(f"fsdp: hsdp_shard_size={k} must be 0 (plain FSDP) or divide the {world} ranks")
+    world_group, mesh = _meshes.get((device_type, k), (None, None))
+    if mesh is not None and world_group is dist.group.WORLD:  # not a group since destroyed
+        return mesh
+    override = None
+    if _timeout_s is not None:  # options of the default group's backend, carrying its timeout
+        nccl = dist.get_backend() == "nccl"
+        opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=_timeout_s)
+        override = {"replicate": opts, "shard": opts}
+    names = ("replicate", "shard")
+    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=names, backend_override=override)
+    _meshes[device_type, k] = (dist.group.WORLD, mesh)
+    return mesh
+
+
 def shard_model(model: nn.Module, device: torch.device, cfg: FSDPConfig) -> nn.Module:
     """Moves `model` to `device` and wraps it with `fully_shard` per decoder layer, then the root.
 
-    Returns the same module, now an FSDPModule whose parameters are DTensors sharded on dim 0.
+    Args:
+        model: a Hugging Face model in fp32 (load_model).
+        device: this rank's device (Dist.device).
+        cfg: mixed precision, offload, resharding and the mesh (`hsdp_shard_size`, see device_mesh).
+    Returns:
+        the same module, now an FSDPModule whose parameters are DTensors: placements (Shard(0),) on the 1-D
+        mesh, (Replicate(), Shard(0)) with HSDP.
     """
-    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = device_mesh(device.type, cfg.hsdp_shard_size)
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.param_dtype), reduce_dtype=torch.float32)
     else:

@@ -283,7 +283,8 @@ def _micro_batch_tokens(cfg: Any) -> int:
 def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: float | None) -> dict:
     """The estimate behind `plan` (bytes):
 
-    trainer, resident    fp32 params 4P/W + AdamW 8P/W (+ fp32 reference 4P/W with a KL loss and no LoRA);
+    trainer, resident    fp32 params 4P/W + AdamW 8P/W (+ fp32 reference 4P/W with a KL loss and no LoRA),
+                         W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
                          gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
                          with offload_optimizer_in_rollout the AdamW state is off the device from the push
                          until the update's first optimizer step (sync, gen, old_logprob)
@@ -299,8 +300,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          "update_critic" phase: critic gradients, activations of a critic micro-batch, its
                          unsharded copies, no logits (a scalar head)
     """
-    P, W = shape.params, world_size
     fs = cfg.model.fsdp_config
+    P, W = shape.params, getattr(fs, "hsdp_shard_size", 0) or world_size  # HSDP shards over its group only
     lora = getattr(cfg.model, "lora_rank", 0) > 0
     algorithm = getattr(cfg, "algorithm", None)  # PPO's KL-in-reward also needs the reference
     kl = getattr(cfg.actor, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False)
@@ -363,7 +364,7 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
 
     Args:
         cfg: the script's config (model.path's config.json is read; data, actor, rollout, model settings).
-        world_size: ranks sharding the trainer.
+        world_size: ranks of the job (with HSDP the shards are split over hsdp_shard_size of them).
         device_total: device bytes; None reads this rank's CUDA device (None again on CPU).
     Returns: a Plan; `render()` prints it.
     """
