@@ -132,7 +132,7 @@ class Sample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    rollout_logprobs: list[float]  # the engine's, at temperature 1
+    rollout_logprobs: list[float] | None  # the engine's, temperature 1; None: not a checked prompt's
     finish_reason: str
     group: int  # index of its prompt in this rank's share of the step's prompts
     score: float = 0.0
@@ -223,7 +223,10 @@ def compute_logprobs(
     sample.ref_logprobs (with any LoRA adapters of `model` off: the base model is the reference). No grad.
 
     Returns (not ref): rollout/logprob_diff_mean, rollout/logprob_diff_max (|trainer - engine| at temperature
-    1, over every sampled token of all ranks), actor/entropy (token mean at the sampling temperature).
+    1, over every sampled token of the samples that carry the engine's logprobs, all ranks), actor/entropy
+    (token mean at the sampling temperature).
+    Raises RuntimeError (on every rank) when no sample of any rank carries the engine's logprobs: the weight
+    push would go unchecked.
     """
     diffs, ent_sum, n_tok = [], 0.0, 0
     for g in actor_micro_batches(samples, list(range(len(samples))), cfg):
@@ -240,16 +243,24 @@ def compute_logprobs(
                 samples[i].ref_logprobs = lp_rows[j, :L]
                 continue
             samples[i].old_logprobs = lp_rows[j, :L]
+            if samples[i].rollout_logprobs is None:  # outside the engine's check subset
+                continue
             engine_lp = torch.tensor(samples[i].rollout_logprobs[:L], dtype=torch.float32)
-            if engine_lp.numel() == L:
+            if engine_lp.numel() == L:  # not rl.generate's stand-in [0] for an empty response
                 diffs.append((raw_rows[j, :L] - engine_lp).abs())
         if ent is not None:
             ent_sum += float((ent * label_mask).sum())
             n_tok += int(label_mask.sum())
     if ref:
         return {}
-    d = torch.cat(diffs) if diffs else torch.zeros(1)
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
     tokens = fsdp.all_reduce(d.numel())
+    if tokens == 0:
+        raise RuntimeError(
+            "no sample carries the engine's logprobs, so the weight push cannot be checked "
+            "(rollout.logprob_check_prompts selects the prompts whose samples carry them)"
+        )
+    d = d if d.numel() else torch.zeros(1)  # this rank has none: 0 for the max over ranks
     return {
         "rollout/logprob_diff_mean": fsdp.all_reduce(float(d.sum())) / max(tokens, 1),
         "rollout/logprob_diff_max": fsdp.all_reduce(float(d.max()), "max"),

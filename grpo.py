@@ -29,7 +29,8 @@ Where it deviates from verl's ray_trainer + dp_actor:
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
 3. The KL-in-reward path (`algorithm.use_kl_in_reward`) belongs to ppo.py; here the KL is a loss term.
 4. Old logprobs are always recomputed by the trainer (verl can reuse rollout logprobs); vLLM's are only
-   used to prove the weight push.
+   used to prove the weight push, so vLLM returns them for a few prompts per call only
+   (rollout.logprob_check_prompts).
 5. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 

@@ -436,8 +436,9 @@ def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def check_push(metrics: dict[str, float], cfg: rollout.RolloutConfig, step: int) -> None:
-    """Stops the run when the engine's logprobs are not the trainer's: it is not running the trained weights."""
-    if metrics["rollout/logprob_diff_mean"] > cfg.logprob_diff_tol:
+    """Stops the run when the engine's logprobs are not the trainer's: it is not running the trained weights.
+    The diff covers the samples that carry the engine's logprobs (rollout.logprob_check_prompts); NaN fails."""
+    if not metrics["rollout/logprob_diff_mean"] <= cfg.logprob_diff_tol:
         raise RuntimeError(
             f"step {step + 1}: vLLM's logprobs differ from the trainer's by "
             f"{metrics['rollout/logprob_diff_mean']:.4f} on average (> rollout.logprob_diff_tol="

@@ -15,7 +15,8 @@ reference the vLLM path is tested against). Both:
 - take prompts as token ids (the trainer tokenises) and return `len(prompts) * n` `Sample`s grouped per prompt:
   response ids (eos included when produced), each sampled token's logprob, finish_reason "stop" or "length";
 - report logprobs = log_softmax of the RAW logits (temperature 1, before top-k/top-p): what the trainer's
-  teacher-forced forward computes, so it can compare (vLLM: `logprobs_mode="raw_logprobs"`, set explicitly);
+  teacher-forced forward computes, so it can compare (vLLM: `logprobs_mode="raw_logprobs"`, set explicitly),
+  for the samples of `cfg.logprob_check_prompts` prompts per call (`check_prompt_indices`); the rest carry None;
 - sample with seed `cfg.seed + rank // tensor_model_parallel_size`: data-parallel ranks differ, the consecutive
   ranks of one TP group agree (the trainer gives them the same prompts);
 - run every blocking call under a `cfg.timeout_s` watchdog (`_deadline`): TimeoutError naming the call, or, for a
@@ -150,10 +151,23 @@ class RolloutConfig:
     """KV cache size on vLLM's CPU backend, GiB (exported as VLLM_CPU_KVCACHE_SPACE)."""
     logprob_diff_tol: float = 0.1
     """Trainer check: mean |engine logprob - trainer logprob| per token (nats) above which a step fails."""
+    logprob_check_prompts: int = 8
+    """Prompts per generate() call whose samples carry the engine's logprobs (all n of each; evenly spaced
+    over the call's prompts, see `check_prompt_indices`); the other samples carry None. The trainer uses them
+    only for the weight-push check (rollout/logprob_diff_*), which needs a sample, not every token, while
+    vLLM's per-token logprob path costs generation throughput (bench/bench_rollout.py: bare_n8_lp against
+    bare_n8, flatrl_n8_call against flatrl_n8_all). -1 = every prompt; 0 is refused (nothing to check)."""
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0, do_sample=False)
     )
     """Validation sampling (verl's rollout.val_kwargs): greedy, one sample per prompt."""
+
+    def __post_init__(self) -> None:
+        if self.logprob_check_prompts == 0 or self.logprob_check_prompts < -1:
+            raise ValueError(
+                f"rollout.logprob_check_prompts must be >= 1 or -1 (all), got {self.logprob_check_prompts}: "
+                "the weight-push check needs the engine's logprobs of some samples"
+            )
 
     @property
     def train_sampling(self) -> SamplingConfig:
@@ -169,8 +183,9 @@ class Sample:
     """Index of its prompt in generate()'s `prompts`."""
     response_ids: list[int]
     """Generated tokens, the eos token included when one was produced."""
-    logprobs: list[float]
-    """log_softmax of the raw (temperature 1) logits at each generated token; same length as response_ids."""
+    logprobs: list[float] | None
+    """log_softmax of the raw (temperature 1) logits at each generated token, same length as response_ids;
+    None for the samples of prompts outside `check_prompt_indices` (rollout.logprob_check_prompts)."""
     finish_reason: str
     """"stop" (eos generated) or "length" (max_tokens or max_model_len reached)."""
 
@@ -185,6 +200,16 @@ class Engine(Protocol):
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
     def shutdown(self) -> None: ...
+
+
+def check_prompt_indices(num_prompts: int, logprob_check_prompts: int) -> list[int]:
+    """Which of a generate() call's prompts get the engine's logprobs: `logprob_check_prompts` of them evenly
+    spaced (i * num_prompts // k), so every tensor-parallel rank's contiguous share of the prompts holds some;
+    every prompt when it is -1 or not smaller than num_prompts. Returns sorted indices into the prompts."""
+    k = logprob_check_prompts
+    if k < 0 or k >= num_prompts:
+        return list(range(num_prompts))
+    return sorted({i * num_prompts // k for i in range(k)})
 
 
 def read_eos_token_ids(model_path: str) -> list[int]:
@@ -415,10 +440,11 @@ class VLLMEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
     ) -> list[Sample]:
-        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt.
+        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt; those of the
+        prompts `check_prompt_indices` picks carry the engine's logprobs, the rest None.
 
-        seed: the draws of this call depend only on it (and the weights), not on earlier calls: prompt i is
-        sampled with seed + i. None: the engine's running generator.
+        seed: the draws of this call depend only on it (and the weights), not on earlier calls (module
+        docstring, note 7). None: the engine's running generator.
         """
         from vllm import SamplingParams
 
@@ -436,21 +462,32 @@ class VLLMEngine:
             if sampling.top_k > 0 and not greedy
             else -1,  # -1 means off in every version
             max_tokens=max_tokens,
-            logprobs=0,  # the sampled token's only
             stop_token_ids=[] if self.cfg.ignore_eos else self.eos,  # stop ids stop even with ignore_eos
             ignore_eos=self.cfg.ignore_eos,
             detokenize=False,
         )
+        with_lp: dict[str, Any] = dict(logprobs=0)  # the sampled token's only
         if _takes(SamplingParams, "flat_logprobs"):
             # Logprobs in flat lists instead of a dict + Logprob object per token: millions fewer Python
             # objects per step at 4096 x 512 tokens (GC and output-processing time on the host, which bounds
             # vLLM at these model sizes: ../shared/gpu/README.md).
-            kwargs["flat_logprobs"] = True
+            with_lp["flat_logprobs"] = True
+        # Logprobs for a few prompts only (a list of SamplingParams, one per prompt, which LLM.generate takes in
+        # 0.24 and 0.32): the other requests skip the per-token logprob transfer and output processing on the
+        # host. vLLM's sampler still computes the batch's log-softmax in every step that runs a request wanting
+        # logprobs.
+        checked = set(check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
         per_request = seed is not None and not greedy and self.cfg.per_request_seeds
         if per_request:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
-            params: Any = [SamplingParams(**kwargs, seed=seed + i) for i in range(len(prompts))]
+            params: Any = [
+                SamplingParams(**kwargs, **(with_lp if i in checked else {}), seed=seed + i)
+                for i in range(len(prompts))
+            ]
+        elif len(checked) == len(prompts):
+            params = SamplingParams(**kwargs, **with_lp)
         else:
-            params = SamplingParams(**kwargs)
+            on, off = SamplingParams(**kwargs, **with_lp), SamplingParams(**kwargs)
+            params = [on if i in checked else off for i in range(len(prompts))]
         call_seeded = seed is not None and not greedy and not per_request
         with _deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
             outputs = self.llm.generate(
@@ -465,7 +502,9 @@ class VLLMEngine:
                     )
                 ids = list(c.token_ids)
                 flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: one float list, no dicts
-                if flat is not None and len(flat) == len(ids) and list(c.logprobs.token_ids) == ids:
+                if i not in checked:
+                    logprobs = None
+                elif flat is not None and len(flat) == len(ids) and list(c.logprobs.token_ids) == ids:
                     logprobs = list(flat)
                 else:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
@@ -615,12 +654,15 @@ class HFEngine:
             ],
             1,
         ).cpu()  # [B, R]
+        checked = set(check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
         samples = []
         for r, tokens in enumerate(new.cpu().tolist()):
             stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
             end = len(tokens) if stop is None else stop + 1
             reason = "length" if stop is None else "stop"
-            samples.append(Sample(r // sampling.n, tokens[:end], logprobs[r, :end].tolist(), reason))
+            i = r // sampling.n
+            lp = logprobs[r, :end].tolist() if i in checked else None  # as vLLM: only the checked prompts'
+            samples.append(Sample(i, tokens[:end], lp, reason))
         return samples
 
     @torch.no_grad()

@@ -3,16 +3,27 @@
 Both run on the same vLLM engine, started by flatrl with its defaults (so the engine settings are identical by
 construction; they are printed under `engine`): "bare" calls `engine.llm.generate` directly with plain
 `SamplingParams(n, temperature=1, max_tokens, ignore_eos=True, detokenize=False)`, as a user of vLLM would;
-"flatrl" calls `engine.generate`, which adds what training needs (each sampled token's logprob, a seed, Sample
-objects). Fixed lengths (`ignore_eos`), random token prompts, the prefix cache reset before every run.
+"flatrl" calls `engine.generate`, which adds what training needs (the engine's logprobs of the sampled tokens for
+`rollout.logprob_check_prompts` prompts, a seed, Sample objects). Fixed lengths (`ignore_eos`), random token
+prompts, the prefix cache reset before every run.
 
-Runs (generated tokens / wall seconds of the generate call):
-    bare_n1           P prompts, n=1          the issue's reference: flatrl n=8 should reach 0.9 of it
-    bare_n8           P prompts, n=8          flatrl n=8 should reach 0.95 of it
-    flatrl_n8_call    flatrl's default (rollout.per_request_seeds=False): the call's seed seeds vLLM's generator
-    flatrl_n8_request rollout.per_request_seeds=True: one seeded generator per request
+Runs (generated tokens / wall seconds of one generate call):
+    bare_n1           P prompts, n=1, no logprobs   the issue's reference: flatrl n=8 should reach 0.9 of it
+    bare_n8           P prompts, n=8, no logprobs   flatrl n=8 should reach 0.95 of it
+    bare_n8_lp        bare_n8 asking logprobs=0 of every request, as flatrl did before logprob_check_prompts
+                      (the engine's logprobs_mode is raw_logprobs; flat_logprobs where vLLM has it): vLLM's own
+                      cost of the logprobs, so flatrl_n8_all / bare_n8_lp is flatrl's own work
+    flatrl_n8_call    flatrl's defaults: logprobs for --logprob-check-prompts prompts, the call's seed seeds
+                      vLLM's generator (rollout.per_request_seeds=False)
+    flatrl_n8_all     flatrl_n8_call with logprobs for every prompt (rollout.logprob_check_prompts=-1)
+    flatrl_n8_request flatrl_n8_call with one seeded generator per request (rollout.per_request_seeds=True);
+                      not in the default --runs (it adds ~40 s on the H200), ask for it by name
 
-    python bench/bench_rollout.py --model 0.5b --out $OUT/rollout_0.5b.json      # H200: ~4 min
+Each run's entry: sequences, tokens, seconds, tok_per_s, and `logprobs` (bare: the SamplingParams.logprobs asked;
+flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them).
+`ratios` divides tok_per_s of two runs of this one engine (None when one of them did not run).
+
+    python bench/bench_rollout.py --model 0.5b --out $OUT/rollout_0.5b.json      # H200: ~3.5 min
     python bench/bench_rollout.py --toy --out /tmp/rollout_toy.json               # CPU: ~30 s
 """
 
@@ -29,28 +40,53 @@ from transformers import AutoConfig
 import rollout
 
 
-def run_bare(engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int) -> dict:
-    """One bare vllm.LLM.generate call; its generated tokens, seconds, tokens/s."""
+def run_bare(
+    engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int, logprobs: bool
+) -> dict:
+    """One bare vllm.LLM.generate call (with logprobs=0 for every request if asked); its tokens, seconds, tok/s."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    extra: dict = {}
+    if logprobs:  # what flatrl's engine.generate asks for a checked prompt
+        extra["logprobs"] = 0
+        if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):  # newer vLLMs only
+            extra["flat_logprobs"] = True
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, **extra
+    )
     engine.llm.reset_prefix_cache()
     with Clock() as c:
         outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
-    return dict(sequences=len(prompts) * n, tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s)
+    return dict(
+        sequences=len(prompts) * n, tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s,
+        logprobs=extra or None,
+    )  # fmt: skip
 
 
 def run_flatrl(
-    engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int, per_request: bool
+    engine: rollout.VLLMEngine,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int,
+    per_request: bool,
+    logprob_check_prompts: int,
 ) -> dict:
     """One flatrl engine.generate call (seeded, as rl.generate calls it)."""
-    engine.cfg = dataclasses.replace(engine.cfg, per_request_seeds=per_request)
+    engine.cfg = dataclasses.replace(
+        engine.cfg, per_request_seeds=per_request, logprob_check_prompts=logprob_check_prompts
+    )
     engine.llm.reset_prefix_cache()
     with Clock() as c:
         samples = engine.generate(prompts, rollout.SamplingConfig(n=n), max_tokens, seed=1234)
     tokens = sum(len(s.response_ids) for s in samples)
-    return dict(sequences=len(samples), tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s)
+    return dict(
+        sequences=len(samples), tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s,
+        logprobs=dict(
+            logprob_check_prompts=logprob_check_prompts,
+            samples_with_logprobs=sum(s.logprobs is not None for s in samples),
+        ),
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -65,14 +101,20 @@ def main(args: argparse.Namespace) -> dict:
         engine = rollout.make_engine(cfg, str(path), max_model_len=args.prompt_len + args.response_len)
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = common.random_prompts(args.num_prompts, args.prompt_len, vocab)
-    run_flatrl(engine, prompts[:4], 2, 8, True)  # warm-up: first-call costs stay out of the figures
+    # Warm-up, one short call (both parameter paths: a checked and an unchecked prompt): first-call costs stay
+    # out of the figures.
+    run_flatrl(engine, prompts[:2], 2, 8, False, 1)
     runs = {}
     for name in args.runs.split(","):
         if name.startswith("bare"):
-            runs[name] = run_bare(engine, prompts, 1 if name == "bare_n1" else args.n, args.response_len)
-        else:
+            n = 1 if name == "bare_n1" else args.n
+            runs[name] = run_bare(engine, prompts, n, args.response_len, logprobs=name == "bare_n8_lp")
+        elif name in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request"):
+            k = -1 if name == "flatrl_n8_all" else args.logprob_check_prompts
             per_request = name == "flatrl_n8_request"
-            runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, per_request)
+            runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, per_request, k)
+        else:
+            raise ValueError(f"unknown run {name!r}")
         print(name, runs[name], flush=True)
     engine.shutdown()
 
@@ -83,7 +125,11 @@ def main(args: argparse.Namespace) -> dict:
         "bench": "rollout",
         "model": args.model,
         "settings": dict(
-            num_prompts=args.num_prompts, prompt_len=args.prompt_len, response_len=args.response_len, n=args.n
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len,
+            response_len=args.response_len,
+            n=args.n,
+            logprob_check_prompts=args.logprob_check_prompts,
         ),
         "engine": {k: v for k, v in engine.llm_kwargs.items() if k != "model"},
         "engine_start_s": round(start.s, 1),
@@ -91,6 +137,10 @@ def main(args: argparse.Namespace) -> dict:
         "ratios": {
             "flatrl_n8_call_vs_bare_n8": ratio("flatrl_n8_call", "bare_n8"),
             "flatrl_n8_call_vs_bare_n1": ratio("flatrl_n8_call", "bare_n1"),
+            "flatrl_n8_all_vs_bare_n8": ratio("flatrl_n8_all", "bare_n8"),  # flatrl before the subset
+            "bare_n8_lp_vs_bare_n8": ratio("bare_n8_lp", "bare_n8"),  # vLLM's own logprob cost
+            "flatrl_n8_all_vs_bare_n8_lp": ratio("flatrl_n8_all", "bare_n8_lp"),  # flatrl's own work
+            "flatrl_n8_call_vs_flatrl_n8_all": ratio("flatrl_n8_call", "flatrl_n8_all"),  # the subset's gain
             "flatrl_n8_request_vs_bare_n8": ratio("flatrl_n8_request", "bare_n8"),
             "flatrl_n8_request_vs_bare_n1": ratio("flatrl_n8_request", "bare_n1"),
             "bare_n8_vs_bare_n1": ratio("bare_n8", "bare_n1"),
@@ -106,7 +156,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="0.5b", choices=["toy", "0.5b", "1.5b"])
     p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model, 4 prompts x 16 + 16 tokens")
-    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument(
+        "--num-prompts", type=int, default=256, help="256 x n=8: 2048 sequences, four batches of 512"
+    )
     p.add_argument("--prompt-len", type=int, default=256, help="tokens")
     p.add_argument("--response-len", type=int, default=512, help="tokens, every response (ignore_eos)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt of the n=8 runs")
@@ -114,13 +166,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=rollout.RolloutConfig.gpu_memory_utilization
     )
-    p.add_argument("--runs", default="bare_n1,bare_n8,flatrl_n8_call,flatrl_n8_request")
+    p.add_argument(
+        "--logprob-check-prompts", type=int, default=rollout.RolloutConfig.logprob_check_prompts,
+        help="flatrl_n8_call's rollout.logprob_check_prompts",
+    )  # fmt: skip
+    p.add_argument("--runs", default="bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all")
     p.add_argument("--workdir", default=None, help="where the model is built (reused); default a temp dir")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     args = p.parse_args(argv)
     if args.toy:
         args.model, args.num_prompts, args.prompt_len, args.response_len, args.n = "toy", 4, 16, 16, 2
-        args.max_num_seqs = 16
+        args.max_num_seqs, args.logprob_check_prompts = 16, 2  # 2 of the 4 prompts: the subset path runs
     return args
 
 

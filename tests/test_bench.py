@@ -54,10 +54,19 @@ def test_bench_attention(tmp_path, work):
 def test_bench_rollout(tmp_path, work):
     r = run_bench("bench_rollout.py", tmp_path, work)
     runs = r["runs"]
-    assert set(runs) == {"bare_n1", "bare_n8", "flatrl_n8_call", "flatrl_n8_request"}
+    assert set(runs) == {"bare_n1", "bare_n8", "bare_n8_lp", "flatrl_n8_call", "flatrl_n8_all"}
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
-    assert runs["flatrl_n8_call"]["tokens"] == runs["flatrl_n8_request"]["tokens"] == 4 * 2 * 16
-    assert all(v["tok_per_s"] > 0 for v in runs.values()) and r["ratios"]["flatrl_n8_call_vs_bare_n8"] > 0
+    assert runs["bare_n8_lp"]["tokens"] == runs["flatrl_n8_call"]["tokens"] == 4 * 2 * 16
+    assert runs["flatrl_n8_all"]["tokens"] == 4 * 2 * 16
+    assert runs["bare_n8"]["logprobs"] is None and runs["bare_n8_lp"]["logprobs"]["logprobs"] == 0
+    # --toy checks 2 of the 4 prompts (n=2): 4 samples carry logprobs; flatrl_n8_all all 8
+    assert runs["flatrl_n8_call"]["logprobs"] == {"logprob_check_prompts": 2, "samples_with_logprobs": 4}
+    assert runs["flatrl_n8_all"]["logprobs"] == {"logprob_check_prompts": -1, "samples_with_logprobs": 8}
+    assert all(v["tok_per_s"] > 0 for v in runs.values())
+    ratios = r["ratios"]
+    for k in ("flatrl_n8_call_vs_bare_n8", "bare_n8_lp_vs_bare_n8", "flatrl_n8_all_vs_bare_n8_lp"):
+        assert ratios[k] > 0
+    assert ratios["flatrl_n8_request_vs_bare_n8"] is None  # not in the default runs
     assert r["default"] == "flatrl_n8_call"
     assert r["engine"]["max_num_seqs"] == 16 and r["engine"]["logprobs_mode"] == "raw_logprobs"
 

@@ -27,6 +27,7 @@ VOCAB, EOS = 300, 2
 MAX_LEN = 64
 # Fixed prompts (token ids in [3, VOCAB)); different lengths so batching pads / schedules unevenly.
 PROMPTS = [[5, 17, 42], [101, 7, 230, 14, 99, 3, 61], [250, 251], [12, 13, 14, 15, 16]]
+SIX = PROMPTS + [[30, 31, 32, 33], [77, 78, 79]]  # logprob_check_prompts=2 of these checks prompts 0 and 3
 
 
 def build_tiny_model(out: Path, seed: int = 0) -> Path:
@@ -102,9 +103,85 @@ def max_logprob_err(model: torch.nn.Module, samples: list[rollout.Sample], promp
     return err
 
 
+def push_check(engine: rollout.Engine, trainer: torch.nn.Module, tol: float = 1e-3) -> dict[str, float]:
+    """rl.make_experience's push check on fresh samples of SIX: the trainer's logprobs (actor.compute_logprobs)
+    against the engine's, then rl.check_push at `tol` (fp32 on CPU agrees to ~1e-6). Needs a one-rank process
+    group: the `one_rank` fixture's, or the one an in-process vLLM engine made."""
+    import torch.distributed as dist
+
+    import actor
+    import rl
+
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    samples = rl.generate(engine, [{"prompt_ids": p} for p in SIX], rollout.SamplingConfig(n=2), 10, seed=3)
+    metrics = actor.compute_logprobs(
+        trainer, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu")
+    )
+    rl.check_push(metrics, rollout.RolloutConfig(logprob_diff_tol=tol), step=0)
+    return metrics
+
+
+def assert_subset_and_check_catches_stale(engine: rollout.Engine, tiny: Path, tol: float) -> None:
+    """With logprob_check_prompts=2, only prompts 0 and 3 of SIX come back with logprobs, and those are the
+    pushed model's; the push check passes on them and fails once the trainer's weights move on unpushed."""
+    engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=2)
+    model = load_hf(tiny)
+    perturb(model, seed=5)
+    engine.push_weights(iter(list(model.named_parameters())))
+    out = engine.generate(SIX, rollout.SamplingConfig(n=3), max_tokens=10, seed=7)
+    assert [s.prompt_index for s in out] == [i for i in range(len(SIX)) for _ in range(3)]
+    checked = [s for s in out if s.logprobs is not None]
+    assert [s.prompt_index for s in checked] == [0, 0, 0, 3, 3, 3]
+    assert all(len(s.logprobs) == len(s.response_ids) for s in checked)
+    assert max_logprob_err(model, checked, SIX) < tol
+
+    metrics = push_check(engine, model, tol)
+    assert metrics["rollout/logprob_diff_max"] < tol
+    perturb(model, seed=6)  # the trainer's update, not pushed: a stale engine
+    with pytest.raises(RuntimeError, match="not running the trained weights"):
+        push_check(engine, model, tol)
+
+
+def test_check_prompt_indices_and_config() -> None:
+    assert rollout.check_prompt_indices(10, 4) == [0, 2, 5, 7]  # evenly spaced
+    assert rollout.check_prompt_indices(10, 1) == [0]
+    assert rollout.check_prompt_indices(4, 4) == rollout.check_prompt_indices(4, 9) == [0, 1, 2, 3]
+    assert rollout.check_prompt_indices(4, -1) == [0, 1, 2, 3]
+    idx = rollout.check_prompt_indices(512, 8)
+    assert len(idx) == 8 and [sum(q * 128 <= i < (q + 1) * 128 for i in idx) for q in range(4)] == [2] * 4
+    assert rollout.RolloutConfig().logprob_check_prompts == 8
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="logprob_check_prompts must be >= 1 or -1"):
+            rollout.RolloutConfig(logprob_check_prompts=bad)
+
+
+def test_push_check_refuses_samples_without_engine_logprobs(one_rank) -> None:
+    import actor
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    ).eval()  # fmt: skip
+    samples = [actor.Sample([5, 6], [7, 8, 9], None, "length", 0) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="no sample carries the engine's logprobs"):
+        actor.compute_logprobs(model, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu"))
+    samples[1].rollout_logprobs = [0.0, 0.0, 0.0]  # one sample does: the diff is over it alone
+    m = actor.compute_logprobs(model, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu"))
+    lp = samples[1].old_logprobs
+    assert abs(m["rollout/logprob_diff_mean"] - float(lp.abs().mean())) < 1e-6
+    assert samples[0].old_logprobs is not None  # every sample still gets the trainer's old logprobs
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_hf_engine_logprob_subset_and_push_check(tiny: Path, one_rank) -> None:
+    # Before the vLLM tests: one_rank's group is gone before the module's engine starts and makes its own.
+    engine = rollout.make_engine(rollout.RolloutConfig(name="hf"), str(tiny), MAX_LEN)
+    assert_subset_and_check_catches_stale(engine, tiny, tol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +251,17 @@ def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> 
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
     assert torch.get_num_threads() == 2
+
+
+def test_vllm_logprob_subset_and_push_check(vllm_engine, tiny: Path) -> None:
+    engine, _, _ = vllm_engine  # its process group (vLLM's own, or one it joined) serves push_check
+    try:
+        assert_subset_and_check_catches_stale(engine, tiny, tol=1e-3)
+        engine.cfg = dataclasses.replace(engine.cfg, per_request_seeds=True)  # one SamplingParams per prompt
+        out = engine.generate(SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7)
+        assert [s.prompt_index for s in out if s.logprobs is not None] == [0, 0, 3, 3]
+    finally:
+        engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=8, per_request_seeds=False)
 
 
 def test_hf_engine_push_logprobs_and_seeding(tiny: Path) -> None:
