@@ -92,33 +92,36 @@ def test_nano_aha_moment_values_survive():
     )  # prefilled ChatML, as there
 
 
-def test_scratch_stages_fit_together():
-    """The three stages of scripts/repro.sh read the same data, start from the SFT model, score with the accuracy
-    reward, and their length limits hold the data prepare_countdown.py writes (measured: prompts <= 36 tokens,
-    responses <= 58 + 1)."""
-    s, g, p = (load(f"{k}_countdown_scratch.yaml") for k in ("sft", "grpo", "ppo"))
+# scripts/repro.sh's tasks: config suffix, SFT model and data, RL val data, reward file, the longest prompt and
+# response (+ end token) measured on the data each task writes (countdown: prepare_countdown.py on 100,000
+# problems; arith3: toy.py --digits 3 on 20,000 SFT rows), and SFT's sample budget (the rows of sft/train).
+SCRATCH_TASKS = {
+    "countdown_scratch": ("runs/repro/model", "runs/repro/data/sft/train.parquet", "runs/repro/data/test.parquet",
+                          "scripts/countdown_accuracy.py", 36 + 8, 59, 400_000),
+    "arith3": ("runs/repro/data/model", "runs/repro/data/sft/train.parquet", "runs/repro/data/rl/val.parquet",
+               None, 20, 40, 400_000),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", SCRATCH_TASKS)
+def test_scratch_stages_fit_together(task):
+    """The three stages of scripts/repro.sh read the same data, start from the SFT model, score with the task's
+    reward, and their length limits hold the data the task writes."""
+    model, sft_train, val, reward_path, prompt_len, response_len, rows = SCRATCH_TASKS[task]
+    s, g, p = (load(f"{k}_{task}.yaml") for k in ("sft", "grpo", "ppo"))
     root = Path(__file__).resolve().parents[1]
     repro = (root / "scripts" / "repro.sh").read_text()
-    for name in ("sft", "grpo", "ppo"):
-        assert f"configs/{name}_countdown_scratch.yaml" in repro
-    assert (
-        s.model.partial_pretrain == "runs/repro/model"
-        and s.data.train_files == "runs/repro/data/sft/train.parquet"
-    )
+    assert "configs/sft_$TASK.yaml" in repro and "TASK=${TASK:-arith3}" in repro
+    assert task == "arith3" or f"TASK={task}" in repro
+    assert s.model.partial_pretrain == model and s.data.train_files == sft_train
     for rl_cfg in (g, p):
-        assert (
-            rl_cfg.model.path == "runs/repro/sft_model"
-            and rl_cfg.data.val_files == "runs/repro/data/test.parquet"
-        )
-        assert (root / rl_cfg.custom_reward_function.path).is_file()
-        assert rl_cfg.custom_reward_function.path == "scripts/countdown_accuracy.py"
+        assert rl_cfg.data.val_files == val and rl_cfg.model.path.endswith("sft_model")
+        assert rl_cfg.custom_reward_function.path == reward_path
+        assert reward_path is None or (root / reward_path).is_file()
         assert rl_cfg.trainer.val_before_train  # the SFT accuracy is GRPO's and PPO's step-0 validation
-        assert rl_cfg.data.max_prompt_length >= 36 + 8 and rl_cfg.data.max_response_length >= 59
+        assert rl_cfg.data.max_prompt_length >= prompt_len and rl_cfg.data.max_response_length >= response_len
         assert rl_cfg.trainer.total_training_steps % rl_cfg.trainer.test_freq == 0  # last step validates once
         assert rl_cfg.data.train_batch_size % rl_cfg.actor.ppo_mini_batch_size == 0
-    assert (
-        s.data.max_length >= 36 + 59 and s.trainer.total_training_steps * s.data.train_batch_size <= 400_000
-    )
-    assert (
-        g.rollout.n > 1 and p.rollout.n == 1 and p.critic.model.path == ""
-    )  # the critic starts from the actor
+    assert s.data.max_length >= prompt_len + response_len
+    assert s.trainer.total_training_steps * s.data.train_batch_size <= rows
+    assert g.rollout.n > 1 and p.critic.model.path == ""  # the critic starts from the actor
