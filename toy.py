@@ -338,7 +338,14 @@ def build(
 def main(cfg: ToyConfig) -> Path:
     """Build the toy model and data from `cfg`."""
     return build(
-        cfg.out, cfg.seed, cfg.n_train, cfg.n_val, cfg.direct_frac, cfg.digits, cfg.hidden_size, cfg.num_layers
+        cfg.out,
+        cfg.seed,
+        cfg.n_train,
+        cfg.n_val,
+        cfg.direct_frac,
+        cfg.digits,
+        cfg.hidden_size,
+        cfg.num_layers,
     )
 
 
