@@ -42,6 +42,18 @@ def one_rank(monkeypatch):
         dist.destroy_process_group()
 
 
+# Environment of the CPU RL runs: vLLM in-process (collective_rpc reaches the trainer's tensors), a 1 GiB KV cache.
+VLLM_CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def flags(d: dict) -> list[str]:
+    """{"trainer.val_only": "", "data.seed": 1} -> ["--trainer.val_only", "--data.seed", "1"] ("" = a bare flag)."""
+    out = []
+    for k, v in d.items():
+        out += [f"--{k}"] if v == "" else [f"--{k}", str(v)]
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

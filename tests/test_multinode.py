@@ -26,16 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, free_port, read_metrics, torchrun
-
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def flags(d: dict) -> list[str]:
-    out = []
-    for k, v in d.items():
-        out += [f"--{k}"] if v == "" else [f"--{k}", str(v)]
-    return out
+from conftest import ROOT, flags, free_port, read_metrics, torchrun
+from conftest import VLLM_CPU_ENV as ENV
 
 
 def sft_args(toy: Path, run: Path, **over) -> list[str]:

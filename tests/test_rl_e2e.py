@@ -11,20 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, torchrun
+from conftest import VLLM_CPU_ENV as ENV
+from conftest import flags, read_metrics, torchrun
 
 import shard_merge
 
 pytestmark = pytest.mark.slow
-
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def flags(d: dict) -> list[str]:
-    out = []
-    for k, v in d.items():
-        out += [f"--{k}"] if v == "" else [f"--{k}", str(v)]
-    return out
 
 
 @pytest.fixture(scope="module")
