@@ -127,14 +127,16 @@ def hang_worker(timeout_s: float) -> None:
 @pytest.mark.slow
 def test_hsdp_groups_fail_within_the_timeout(tmp_path):
     """torch gives new groups its default timeout (30 min on gloo): device_mesh passes trainer.timeout_s on."""
-    timeout_s, port, log = 4.0, str(free_port()), tmp_path / "log"
+    timeout_s, port = 4.0, str(free_port())
     procs: list[subprocess.Popen] = []
-    with open(log, "w") as f:
-        for rank in range(4):
-            env = dict(
-                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-            )  # fmt: skip
+    # one log file per rank: two ranks' lines written to one file at the same moment ran together (seen in CI)
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(4)]
+    for rank in range(4):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+        )  # fmt: skip
+        with open(logs[rank], "w") as f:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, __file__, str(timeout_s)],
@@ -145,14 +147,14 @@ def test_hsdp_groups_fail_within_the_timeout(tmp_path):
                     process_group=procs[0].pid if procs else 0,
                 )  # fmt: skip
             )
-        try:
-            for p in (procs[0], procs[3]):
-                p.wait(timeout=120)
-        finally:
-            os.killpg(procs[0].pid, signal.SIGKILL)
-            for p in procs:
-                p.wait()
-    text = log.read_text()
+    try:
+        for p in (procs[0], procs[3]):
+            p.wait(timeout=120)
+    finally:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    text = "\n".join(log.read_text() for log in logs)
     for rank, group in (
         (0, {"replicate": [0, 2], "shard": [0, 1]}),
         (3, {"replicate": [1, 3], "shard": [2, 3]}),
