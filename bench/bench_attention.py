@@ -1,4 +1,4 @@
-"""Padding-free attention: does the GPU path (fsdp.VARLEN) give the padded layout's logprobs and gradients, and
+"""Padding-free attention: does the GPU path (attention.VARLEN) give the padded layout's logprobs and gradients, and
 how fast is a training micro-batch in each layout.
 
 One model (FSDP2 as the trainer holds it: bf16 compute on GPU), one micro-batch of S sequences of random
@@ -27,6 +27,7 @@ import common
 import torch
 from common import Clock
 
+import attention
 import data
 import fsdp
 import losses
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
     path = str(common.build_model(args.model, f"{work}/{args.model}"))
     model = fsdp.shard_model(
-        fsdp.load_model(path, attn_implementation=fsdp.VARLEN), d.device, fsdp.FSDPConfig()
+        fsdp.load_model(path, attn_implementation=attention.VARLEN), d.device, fsdp.FSDPConfig()
     )
     vocab = model.config.vocab_size
     rng = random.Random(0)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     results = {k: logprobs_and_grads(model, b) for k, b in batches.items()}
     lp_ref, g_ref = results["padded"]
     out: dict = {"tokens": sum(lengths), "sequences": len(lengths), "max_len": max(lengths)}
-    api = fsdp._torch_varlen()
+    api = attention._torch_varlen()
     out["kernel"] = "torch varlen_attn" if api is not None and d.device.type == "cuda" else "sdpa fallback"
     for name in ("varlen", "dense"):
         lp, g = results[name]

@@ -7,7 +7,7 @@ The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW)
 (actor.compute_logprobs, forward only):
 
     packed   model.use_remove_padding, actor.use_dynamic_bsz, ppo_max_token_len_per_gpu=--token-budget:
-             one [1, N] row per micro-batch, varlen attention on GPU (fsdp.VARLEN)
+             one [1, N] row per micro-batch, varlen attention on GPU (attention.VARLEN)
     padded   right-padded [B, T] micro-batches of --micro-batch-size responses (sdpa with a padding mask)
 
 Figures: trained tokens (prompt + response, padding not counted) per second; MFU = 6 x matmul params x tokens

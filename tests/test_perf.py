@@ -1,4 +1,4 @@
-"""perf.py by hand (FLOPs, MFU, the memory plan, the phase timer) and the padding-free attention path (fsdp.VARLEN,
+"""perf.py by hand (FLOPs, MFU, the memory plan, the phase timer) and the padding-free attention path (attention.VARLEN,
 data.pack_batch(mask_dtype=None)) against the padded layout; CUDA-only checks are marked gpu."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import actor
+import attention
 import data
 import fsdp
 import losses
@@ -114,7 +115,7 @@ def tiny_model(attn: str) -> Qwen2ForCausalLM:
         vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
     )  # fmt: skip
-    cfg._attn_implementation = fsdp.register_varlen_attention() if attn == "varlen" else attn
+    cfg._attn_implementation = attention.register_varlen_attention() if attn == "varlen" else attn
     return Qwen2ForCausalLM(cfg)
 
 
@@ -142,7 +143,7 @@ def test_pack_without_mask_has_cu_seqlens_and_model_inputs():
 
 
 def test_varlen_attention_matches_padded_logprobs_and_grads():
-    """CPU: fsdp.VARLEN's exact fallback kernel; the same function routes CUDA bf16 to torch's varlen kernel."""
+    """CPU: attention.VARLEN's exact fallback kernel; the same function routes CUDA bf16 to torch's varlen kernel."""
     seqs, masks = _seqs([5, 17, 9, 30])
     ref, model = tiny_model("sdpa"), tiny_model("varlen")
     lp_ref = _response_logprobs(ref, data.pad_batch(seqs, masks, 0))
@@ -165,10 +166,10 @@ def test_varlen_attention_matches_padded_logprobs_and_grads():
 
 def test_load_model_picks_varlen_on_cuda_only(toy_dir):
     m = fsdp.load_model(str(toy_dir / "model"))
-    assert m.config._attn_implementation == (fsdp.VARLEN if torch.cuda.is_available() else "sdpa")
+    assert m.config._attn_implementation == (attention.VARLEN if torch.cuda.is_available() else "sdpa")
     assert fsdp.load_model(
-        str(toy_dir / "model"), attn_implementation=fsdp.VARLEN
-    ).config._attn_implementation == (fsdp.VARLEN)
+        str(toy_dir / "model"), attn_implementation=attention.VARLEN
+    ).config._attn_implementation == (attention.VARLEN)
 
 
 def test_causal_varlen_attention_fallback_by_hand():
@@ -176,7 +177,7 @@ def test_causal_varlen_attention_fallback_by_hand():
     q = torch.zeros(5, 1, 4)
     k = torch.zeros(5, 1, 4)
     v = torch.arange(5.0)[:, None, None].expand(5, 1, 4)
-    out = fsdp.causal_varlen_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 3, None)
+    out = attention.causal_varlen_attention(q, k, v, torch.tensor([0, 2, 5], dtype=torch.int32), 3, None)
     assert out[:, 0, 0].tolist() == pytest.approx(
         [0, 0.5, 2, 2.5, 3]
     )  # (0), (0+1)/2, (2), (2+3)/2, (2+3+4)/3
@@ -192,7 +193,9 @@ def test_gpu_varlen_kernel_matches_padded_in_bf16(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import bench_attention
 
-    assert fsdp._torch_varlen() is not None, "torch.nn.attention.varlen.varlen_attn is missing or changed"
+    assert attention._torch_varlen() is not None, (
+        "torch.nn.attention.varlen.varlen_attn is missing or changed"
+    )
     args = bench_attention.parse(["--toy", "--workdir", str(tmp_path)])
     args.model, args.num_seqs, args.min_len, args.max_len = "0.5b", 6, 40, 300
     out = bench_attention.run(args)
