@@ -288,6 +288,15 @@ def _deadline(what: str, timeout_s: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
+def _release_cached_blocks() -> None:
+    """Gives the blocks torch's caching allocator keeps after training (freed activations, logits) back to the
+    device before vLLM wakes, so they are not held under the re-allocated KV cache: the e2e bench on the H200
+    (0.5B, token budget 16384, vLLM's share 0.3) measured 91 GiB used right after the wake, against a 50 GiB
+    training peak and a 42 GiB vLLM share. The next training phase pays a few cudaMalloc calls again."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def _seeded_global_rng(seed: int | None) -> Iterator[None]:
     """Within the block torch's global generators (CPU and this CUDA device: what in-process vLLM samples
@@ -514,6 +523,7 @@ class VLLMEngine:
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams (Hugging Face name, full tensor) pairs into the engine; each checkpoint tensor must come."""
         if self.asleep:
+            _release_cached_blocks()
             with _deadline("wake_up(weights)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["weights"])
         seen: set[str] = set()
@@ -545,6 +555,7 @@ class VLLMEngine:
     def wake_up(self) -> None:
         """Re-allocates all that sleep() freed (generate() calls it; push_weights() wakes in its own order)."""
         if self.asleep:
+            _release_cached_blocks()
             with _deadline("wake_up", self.cfg.timeout_s):
                 self.llm.wake_up()
             self.asleep = False

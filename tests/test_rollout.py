@@ -361,8 +361,12 @@ def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
     if level == 2:
         with pytest.raises(RuntimeError, match="push_weights"):
             engine.generate(PROMPTS, greedy, 16)
+    scratch = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")  # a training phase's activations...
+    del scratch  # ...freed, but kept reserved by torch's caching allocator
     engine.push_weights(model.named_parameters())
     assert not engine.asleep
+    # The wake gave the cached 4 GiB back first: the device is as full as before the sleep, not 4 GiB fuller.
+    assert torch.cuda.mem_get_info()[0] > free_awake - 2**30
     out = engine.generate(PROMPTS, greedy, 16)
     # The CUDA engine's fp32 kernels differ from the CPU reference by ~2e-3 (measured on an H200); the stale
     # weights are off by > 1e-2 (test_vllm_push_matches_transformers), so 1e-2 still tells them apart.
