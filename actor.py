@@ -71,6 +71,12 @@ class ActorConfig:
     """Token budget of one micro-batch when use_dynamic_bsz is on (also used for the logprob passes)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
+    old_logprobs_from_update: bool = True
+    """When the update is one optimizer step over the whole batch (ppo_epochs 1, ppo_mini_batch_size = the
+    step's prompts) the weights have not moved before its forward, so the old logprobs are that forward's, detached
+    (ratio 1; TRL does the same): the separate old-logprob pass then runs on the push check's samples only. Off:
+    always the full pass. ppo.py keeps the full pass when the KL is in the reward (it needs them before the
+    advantages)."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -313,8 +319,15 @@ def update_policy(
     world = dist.get_world_size()
     sums: dict[str, float] = {}
     grad_norms = []
+    steps = mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size)
+    from_update = any(s.old_logprobs is None for s in samples)  # rl.make_experience left them to this forward
+    if from_update and (cfg.ppo_epochs != 1 or len(steps) != 1):
+        raise RuntimeError(
+            f"actor: samples without old logprobs, but the update takes {cfg.ppo_epochs} epoch(s) of {len(steps)} "
+            "mini-batch(es): after the first optimizer step the update's own logprobs are no longer the old ones"
+        )
     for _ in range(cfg.ppo_epochs):
-        for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size):
+        for idx in steps:
             tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
             norm = dict(global_tokens=tokens, global_seqs=fsdp.all_reduce(len(idx)), norm_length=norm_length)
             groups = actor_micro_batches(samples, idx, cfg)
@@ -333,7 +346,7 @@ def update_policy(
                 R = max(lens)
                 lp = response_matrix(lp, label_mask, lens)  # [S, R]
                 mask = mask_of(lens, device)  # [S, R]
-                old = padded([samples[i].old_logprobs for i in g], R, device)
+                old = lp.detach() if from_update else padded([samples[i].old_logprobs for i in g], R, device)
                 adv = padded([samples[i].advantages for i in g], R, device) * mask
                 pg_loss, m = losses.policy_loss(
                     lp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,

@@ -5,7 +5,8 @@ Every rank holds a shard of the policy (FSDP2) and a whole vLLM engine on the sa
   2. rewards are scored in a process pool (reward.py), by the row's data_source or a custom function;
   3. advantages per prompt group (`algorithm.adv_estimator`);
   4. the trainer recomputes old logprobs (and checks them against vLLM's: rollout/logprob_diff_*), and the
-     frozen reference model's logprobs when a KL loss is on;
+     frozen reference model's logprobs when a KL loss is on; when step 5 is a single optimizer step, the
+     old logprobs are its own forward's, detached, and this pass covers the checked samples only;
   5. `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, PPO-clip loss;
   6. the new weights are gathered one parameter at a time and pushed into every rank's engine.
 
@@ -176,9 +177,11 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         step, results, _ = rl.resume(run, components, scheduler, guard)
         if rl.first_push(run, engine, policy, step, results):
             return results
+        # One optimizer step a batch: the update's forward gives the old logprobs (actor.old_logprobs_from_update).
+        reuse = rl.old_logprobs_from_update(cfg)
         while step < run.total_steps:
             with rl.step_timer() as timer:
-                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
+                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer, reuse)
                 compute_advantages(samples, cfg.algorithm)
                 with timer("update"), rl.oom("policy update", cfg):
                     metrics |= actor.update_policy(

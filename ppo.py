@@ -353,9 +353,11 @@ def main(cfg: PPOConfig) -> dict[str, float]:
             kl_ctrl.value = extra["kl_coef"]
         if rl.first_push(run, engine, policy, step, results):
             return results
+        # As grpo.py, unless the KL in the reward needs the old logprobs before the advantages.
+        reuse = rl.old_logprobs_from_update(cfg) and not cfg.algorithm.use_kl_in_reward
         while step < run.total_steps:
             with rl.step_timer() as timer:
-                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
+                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer, reuse)
                 with timer("values"), rl.oom("critic values", cfg):
                     compute_values(critic, samples, cfg.critic, critic_packed, pad_id, device)
                 with timer("adv"):

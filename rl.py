@@ -367,6 +367,17 @@ def generate_and_score(
     return prompts, samples, metrics
 
 
+def old_logprobs_from_update(cfg: Any) -> bool:
+    """Whether the update can take the old logprobs from its own forward (actor.old_logprobs_from_update): one
+    optimizer step (ppo_epochs 1, one mini-batch of all the step's prompts) sees the weights that sampled."""
+    a = cfg.actor
+    return (
+        a.old_logprobs_from_update
+        and a.ppo_epochs == 1
+        and a.ppo_mini_batch_size == cfg.data.train_batch_size
+    )
+
+
 def make_experience(
     run: Run,
     engine: rollout.Engine,
@@ -374,10 +385,13 @@ def make_experience(
     ref: torch.nn.Module | None,
     step: int,
     timer: log.Timer,
+    old_from_update: bool = False,
 ) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
     """A step's experience: the next prompts, their responses and scores (generate_and_score), the policy's old
     logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs.
 
+    old_from_update: the old logprobs are left to the update's forward (sample.old_logprobs None): the pass here
+    covers the samples that carry the engine's logprobs alone, for the push check (actor/entropy is theirs too).
     Returns (this rank's prompts, its samples, the step's reward and rollout metrics so far).
     """
     cfg = run.cfg
@@ -390,7 +404,11 @@ def make_experience(
     prompts, mine = run.next_prompts()
     prompts, samples, metrics = generate_and_score(run, engine, prompts, mine, step, timer)
     with timer("old_logprob"), oom("old logprobs", cfg):
-        metrics |= actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
+        checked = [s for s in samples if s.rollout_logprobs is not None] if old_from_update else samples
+        metrics |= actor.compute_logprobs(policy, checked, cfg.actor, T, packed, pad_id, device)
+        if old_from_update:
+            for s in samples:
+                s.old_logprobs = None
     check_push(metrics, cfg.rollout, step)
     if ref is not None:
         with timer("ref"), oom("reference logprobs", cfg):

@@ -103,3 +103,70 @@ def test_compute_advantages_sets_one_number_per_sample(estimator):
     adv = [s.advantages for s in samples]
     assert all(isinstance(a, float) for a in adv)
     assert adv[1] > 0 > adv[0] and adv[3] > 0 > adv[2]  # the rewarded response of each pair is preferred
+
+
+def _tiny_policy(device: torch.device):
+    """A one-layer Qwen2 of random weights, FSDP2-sharded over the one rank, with its AdamW and schedule."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import fsdp
+    import optim
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    model = fsdp.shard_model(Qwen2ForCausalLM(cfg), device, fsdp.FSDPConfig())
+    optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
+    return model, optimizer, scheduler
+
+
+def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
+    """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
+    1) moves the weights as the separate old-logprob pass does; with two mini-batches it is refused."""
+    import actor
+    import optim
+
+    device = one_rank.device
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for g in range(4):  # 4 prompts x 2 responses of random lengths, GRPO advantages of +-1
+        for k in range(2):
+            L = int(torch.randint(3, 9, (1,), generator=gen))
+            ids = torch.randint(1, 64, (5 + L,), generator=gen).tolist()
+            samples.append(actor.Sample(ids[:5], ids[5:], None, "stop", g, advantages=1.0 if k else -1.0))
+    cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
+    weights = []
+    for from_update in (False, True):
+        model, optimizer, scheduler = _tiny_policy(device)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
+        actor.compute_logprobs(model, samples, cfg, 1.0, True, 0, device)
+        if from_update:
+            for s in samples:
+                s.old_logprobs = None
+        m = actor.update_policy(
+            model,
+            optimizer,
+            scheduler,
+            optim.SkipGuard(5),
+            samples,
+            4,
+            cfg,
+            1.0,
+            True,
+            0,
+            device,
+            norm_length=8,
+        )
+        assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0  # ratio 1 either way
+        weights.append([p.detach().full_tensor() for p in model.parameters()])
+    moved = max(float((a - b).abs().max()) for a, b in zip(before, weights[1], strict=True))
+    same = max(float((a - b).abs().max()) for a, b in zip(weights[0], weights[1], strict=True))
+    assert moved > 1e-3 and same < 1e-6
+
+    two_steps = actor.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3)
+    with pytest.raises(RuntimeError, match="no longer the old ones"):
+        actor.update_policy(
+            model, optimizer, scheduler, optim.SkipGuard(5), samples, 4, two_steps, 1.0, True, 0, device,
+            norm_length=8,
+        )  # fmt: skip
