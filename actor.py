@@ -103,7 +103,7 @@ class ActorConfig:
 
 def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:
     """The model at cfg.path (with a scalar value head for ppo.py's critic), FSDP2-sharded on `device`, and the
-    files a checkpoint needs to describe it (fsdp.save_checkpoint's hf_files)."""
+    files a checkpoint needs to describe it (checkpoint.save_checkpoint's hf_files)."""
     model = fsdp.load_model(
         cfg.path,
         trust_remote_code=cfg.trust_remote_code,

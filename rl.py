@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import actor
+import checkpoint
 import config
 import data
 import fsdp
@@ -261,10 +262,10 @@ def resume(
     """
     cfg = run.cfg
     step, results, extra = 0, {}, {}
-    path = None if cfg.trainer.val_only else fsdp.resolve_resume(run.run_dir, cfg.trainer.resume_mode)
+    path = None if cfg.trainer.val_only else checkpoint.resolve_resume(run.run_dir, cfg.trainer.resume_mode)
     if path is not None:
         for prefix, (model, optimizer, _) in components.items():
-            state = fsdp.load_checkpoint(path, model, optimizer, prefix=prefix)
+            state = checkpoint.load_checkpoint(path, model, optimizer, prefix=prefix)
         run.sampler.load_state_dict(state["sampler"])
         scheduler.load_state_dict(state["scheduler"])
         guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
@@ -296,7 +297,7 @@ def save(
     )  # fmt: skip
     parts = {k: (m, opt, files | {"tokenizer": run.tokenizer}) for k, (m, opt, files) in components.items()}
     model, optimizer, hf_files = parts.pop("")
-    return fsdp.save_checkpoint(
+    return checkpoint.save_checkpoint(
         run.run_dir, step, model, optimizer, state, hf_files, keep_last=run.cfg.trainer.max_ckpt_to_keep,
         extra=parts,
     )  # fmt: skip

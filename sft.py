@@ -23,7 +23,7 @@ Faults (the README's Reliability section lists each with its test):
   learning-rate schedule still advances. `trainer.max_consecutive_skips` in a row stop the run after a
   checkpoint.
 - A CUDA out-of-memory error in a step stops the run with the memory numbers and the flags to lower.
-- `resume_mode=auto` resumes from the newest complete checkpoint (fsdp.checkpoint_problem) and drops the
+- `resume_mode=auto` resumes from the newest complete checkpoint (checkpoint.checkpoint_problem) and drops the
   metrics.jsonl lines an interrupted run logged after it, so a crashed run continues exactly.
 """
 
@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import config
 import data
 import fsdp
@@ -262,9 +263,9 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
 
     step, results = 0, {}
-    resume = fsdp.resolve_resume(run_dir, cfg.trainer.resume_mode)
+    resume = checkpoint.resolve_resume(run_dir, cfg.trainer.resume_mode)
     if resume is not None:
-        state = fsdp.load_checkpoint(resume, model, optimizer)
+        state = checkpoint.load_checkpoint(resume, model, optimizer)
         sampler.load_state_dict(state["sampler"])
         scheduler.load_state_dict(state["scheduler"])
         guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
@@ -287,7 +288,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         results["val/loss_before"] = validate(model, val_ds, cfg, d.device)
         logger.log({"val/loss": results["val/loss_before"]}, step=0)
 
-    def checkpoint() -> None:
+    def save() -> None:
         state = dict(
             sampler=sampler.state_dict(),
             scheduler=scheduler.state_dict(),
@@ -296,7 +297,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             config=config.to_dict(cfg),
             run_info=log.run_info(),
         )
-        fsdp.save_checkpoint(
+        checkpoint.save_checkpoint(
             run_dir, step, model, optimizer, state, hf_files, keep_last=cfg.trainer.max_ckpt_to_keep
         )
 
@@ -352,7 +353,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         logger.log(metrics, step=step)
         results.update({k: v for k, v in metrics.items() if k in ("train/loss", "val/loss")})
         if guard.stop or last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-            checkpoint()
+            save()
         if guard.stop:
             logger.close()
             n = guard.consecutive

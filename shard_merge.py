@@ -3,7 +3,7 @@
     python shard_merge.py --ckpt-dir runs/x/global_step_100 --out runs/x/hf_100 [--max-shard-size 5GB]
         [--dtype auto|float32|bfloat16|float16] [--adapter-only] [--verify] [--component actor|critic]
 
-Reads flatrl's layout (fsdp.py): `model/`, a torch.distributed.checkpoint (DCP) of the state dict under
+Reads flatrl's layout (checkpoint.py): `model/`, a torch.distributed.checkpoint (DCP) of the state dict under
 Hugging Face names, and `huggingface/` (config, tokenizer, `lora.json` with LoRA); `--component critic` reads
 `critic/model/` and `critic/huggingface/`. Or verl's FSDP layout: `model_world_size_{W}_rank_{R}.pt` (in the
 folder or under `actor/`), `fsdp_config.json`, `huggingface/`; DTensor pieces are joined by their placements

@@ -15,11 +15,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
+import checkpoint  # noqa: E402
 import config  # noqa: E402
-import fsdp  # noqa: E402
 import sft  # noqa: E402
 
-_save = fsdp.dcp.save
+_save = checkpoint.dcp.save
 
 
 def _slow_save(*args, **kwargs):
@@ -28,7 +28,7 @@ def _slow_save(*args, **kwargs):
     return out
 
 
-fsdp.dcp.save = _slow_save
+checkpoint.dcp.save = _slow_save
 try:
     sft.main(config.parse(sft.SFTConfig))
 finally:

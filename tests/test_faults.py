@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, free_port, read_metrics
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import checkpoint
 import fsdp
 import losses
 import optim
@@ -143,9 +144,8 @@ def after_step(log: Path, k: int, delay_s: float):
 
 
 def newest_complete(run: Path) -> int:
-    complete = [
-        int(p.name.split("_")[-1]) for p in fsdp.list_checkpoints(run) if not fsdp.checkpoint_problem(p)
-    ]
+    ckpts = checkpoint.list_checkpoints(run)
+    complete = [int(p.name.split("_")[-1]) for p in ckpts if not checkpoint.checkpoint_problem(p)]
     return max(complete, default=0)
 
 
@@ -170,7 +170,7 @@ def test_crash_anywhere_then_resume_equals_an_uninterrupted_run(toy_dir, small_s
         tmp_path / "kill1.log",
         lambda: (tmp_dir / part / ".metadata").exists(),
     )
-    assert tmp_dir.is_dir() and not (tmp_dir / fsdp.MANIFEST).exists()  # killed mid-write ...
+    assert tmp_dir.is_dir() and not (tmp_dir / checkpoint.MANIFEST).exists()  # killed mid-write ...
     assert not (run / f"global_step_{n * save_freq}").exists()  # ... so that step has no checkpoint
     assert newest_complete(run) == (n - 1) * save_freq
 
@@ -240,48 +240,48 @@ def test_damaged_checkpoint_is_named_and_resume_falls_back(toy_dir, tmp_path, on
         optimizer.step()
         optimizer.zero_grad()
         weights[step] = _first_param(model)
-        fsdp.save_checkpoint(pristine, step, model, optimizer, {"marker": step})
-    manifest = json.loads((pristine / "global_step_3" / fsdp.MANIFEST).read_text())
+        checkpoint.save_checkpoint(pristine, step, model, optimizer, {"marker": step})
+    manifest = json.loads((pristine / "global_step_3" / checkpoint.MANIFEST).read_text())
     assert {"model/.metadata", "optim/.metadata", "trainer_state.json", "rng/rank_0.pt"} <= manifest.keys()
     assert manifest["model/__0_0.distcp"] > 1_000_000  # the toy model's weights, in fp32
-    assert fsdp.resolve_resume(pristine, "auto") == pristine / "global_step_3"
+    assert checkpoint.resolve_resume(pristine, "auto") == pristine / "global_step_3"
 
     for i, (name, how) in enumerate(BREAKS):
         run = tmp_path / f"run{i}"
         shutil.copytree(pristine, run)
         bad = _break(run / "global_step_3", name, how)
         capsys.readouterr()
-        assert fsdp.resolve_resume(run, "auto") == run / "global_step_2", name
+        assert checkpoint.resolve_resume(run, "auto") == run / "global_step_2", name
         out = capsys.readouterr().out
         assert str(bad) in out and f"fell back to {run / 'global_step_2'}" in out, out
         with pytest.raises(ValueError, match=re.escape(str(bad))):  # a path given explicitly: no fallback
-            fsdp.resolve_resume(run, str(run / "global_step_3"))
+            checkpoint.resolve_resume(run, str(run / "global_step_3"))
         with pytest.raises(ValueError, match=re.escape(str(bad))):
-            fsdp.load_checkpoint(run / "global_step_3", model, optimizer)
+            checkpoint.load_checkpoint(run / "global_step_3", model, optimizer)
 
     # Two damaged: back two. The fallback loads: weights and trainer state of step 1.
     run = tmp_path / "two"
     shutil.copytree(pristine, run)
     _break(run / "global_step_3", "model/__0_0.distcp", "truncate")
     _break(run / "global_step_2", "trainer_state.json", "delete")
-    resume = fsdp.resolve_resume(run, "auto")
+    resume = checkpoint.resolve_resume(run, "auto")
     assert resume == run / "global_step_1"
-    assert fsdp.load_checkpoint(resume, model, optimizer)["marker"] == 1
+    assert checkpoint.load_checkpoint(resume, model, optimizer)["marker"] == 1
     assert torch.equal(_first_param(model), weights[1]) and not torch.equal(weights[1], weights[3])
     _break(run / "global_step_1", "rng/rank_0.pt", "delete")
     with pytest.raises(ValueError, match="no complete checkpoint"):  # starting over would hide the damage
-        fsdp.resolve_resume(run, "auto")
+        checkpoint.resolve_resume(run, "auto")
     with pytest.raises(FileNotFoundError, match="global_step_9"):
-        fsdp.resolve_resume(run, str(run / "global_step_9"))
+        checkpoint.resolve_resume(run, str(run / "global_step_9"))
 
     # An unfinished write (.tmp) is never a candidate; keep_last deletes without leaving half folders.
     run = tmp_path / "keep"
     shutil.copytree(pristine, run)
     shutil.copytree(run / "global_step_3", run / "global_step_4.tmp")
-    assert fsdp.resolve_resume(run, "auto") == run / "global_step_3"
-    fsdp.save_checkpoint(run, 4, model, optimizer, {"marker": 4}, keep_last=2)
+    assert checkpoint.resolve_resume(run, "auto") == run / "global_step_3"
+    checkpoint.save_checkpoint(run, 4, model, optimizer, {"marker": 4}, keep_last=2)
     assert sorted(p.name for p in run.iterdir()) == ["global_step_3", "global_step_4"]
-    assert fsdp.checkpoint_problem(run / "global_step_4") is None
+    assert checkpoint.checkpoint_problem(run / "global_step_4") is None
 
 
 # ---------------------------------------------------------------------------------------- NaN and inf
@@ -336,7 +336,8 @@ def test_nan_and_inf_steps_are_skipped_then_the_run_stops(
     assert [r["train/skipped_steps"] for r in m] == [0, 1, 1, 2, 2, 2, 3, 4, 5]
     assert [r["train/loss"] is None for r in m] == [s in bad for s in range(1, 10)]  # NaN/inf -> null
     assert [r["train/grad_norm"] is None for r in m] == [s in bad for s in range(1, 10)]
-    assert [p.name for p in fsdp.list_checkpoints(run)] == ["global_step_3", "global_step_6", "global_step_9"]
+    names = [p.name for p in checkpoint.list_checkpoints(run)]
+    assert names == ["global_step_3", "global_step_6", "global_step_9"]
     w3, w6, w9 = (dcp_tensors(run / f"global_step_{s}" / "model", tmp_path) for s in (3, 6, 9))
     assert all(torch.equal(w6[k], w9[k]) for k in w6)  # steps 7-9 changed nothing
     assert not all(torch.equal(w3[k], w6[k]) for k in w3)  # steps 5 and 6 did update

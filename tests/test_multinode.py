@@ -60,7 +60,7 @@ def by_step(run: Path, key: str) -> dict[int, float]:
 @pytest.mark.slow
 def test_hsdp_matches_fsdp_and_one_process_and_resumes_on_one(toy_dir, tmp_path):
     """One process, plain FSDP on 2 ranks, HSDP 2 x 1 (replicate x shard) and 2 x 2 on 4 ranks: the same 4 steps."""
-    import fsdp
+    import checkpoint
     import shard_merge
 
     runs = {"one": (1, 0), "fsdp2": (2, 0), "hsdp2x1": (2, 1), "hsdp2x2": (4, 2)}
@@ -78,7 +78,7 @@ def test_hsdp_matches_fsdp_and_one_process_and_resumes_on_one(toy_dir, tmp_path)
 
     # The 2 x 2 checkpoint of step 2, alone in a new run folder, resumes on one process to the same steps 3-4.
     ckpt = tmp_path / "hsdp2x2" / "global_step_2"
-    assert fsdp.checkpoint_problem(ckpt) is None
+    assert checkpoint.checkpoint_problem(ckpt) is None
     assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 4
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -289,7 +289,7 @@ def grpo_args(toy: Path, tmp: Path, **over) -> list[str]:
 def check_grpo_run(run: Path) -> None:
     """Both steps pushed exact weights after a real update, scored every sample, and left a complete checkpoint
     of a 2-rank job."""
-    import fsdp
+    import checkpoint
 
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
@@ -297,7 +297,7 @@ def check_grpo_run(run: Path) -> None:
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # step 2: the engine runs the updated weights
         assert r["reward/errors"] == 0 and 0 < r["reward/mean"] < 1 and r["reward/std"] > 0, r
         assert r["actor/grad_norm"] > 0, r  # the groups carried a signal: the weights moved
-    assert fsdp.checkpoint_problem(run / "global_step_2") is None
+    assert checkpoint.checkpoint_problem(run / "global_step_2") is None
     assert json.loads((run / "global_step_2" / "trainer_state.json").read_text())["world_size"] == 2
 
 

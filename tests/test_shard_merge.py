@@ -1,4 +1,4 @@
-"""shard_merge.py: checkpoints written the way fsdp.py (DCP) and verl (per-rank .pt) write them, merged, then
+"""shard_merge.py: checkpoints written the way checkpoint.py (DCP) and verl (per-rank .pt) write them, merged, then
 loaded back with from_pretrained / peft / vLLM and compared with the model that was saved (logits within 1e-5,
 identical greedy tokens). Every broken-checkpoint error must name the broken file."""
 
@@ -71,7 +71,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def write_hf_files(hf_dir: Path, model: Qwen2ForCausalLM, lora: dict | None = None) -> None:
-    """huggingface/ as fsdp.py writes it: config, generation config, tokenizer, lora.json with LoRA."""
+    """huggingface/ as checkpoint.py writes it: config, generation config, tokenizer, lora.json with LoRA."""
     model.config.save_pretrained(hf_dir)
     GenerationConfig(do_sample=False, eos_token_id=1, pad_token_id=2).save_pretrained(hf_dir)
     tokenizer().save_pretrained(hf_dir)

@@ -111,14 +111,16 @@ def load(path, trust_remote_code=True, *, mmap=False):
 def test_repository_has_no_unsafe_code():
     files = repo_python_files()
     names = {f.relative_to(ROOT).as_posix() for f in files}
-    assert {"sft.py", "grpo.py", "fsdp.py", "reward.py", "shard_merge.py", "tests/test_faults.py"} <= names
+    assert {"sft.py", "grpo.py", "fsdp.py", "checkpoint.py", "reward.py", "shard_merge.py"} <= names
+    assert "tests/test_faults.py" in names
     found, loads = [], 0
     for f in files:
         fnd, n = unsafe_code(f.read_text(), str(f.relative_to(ROOT)))
         found += fnd
         loads += n
     assert found == []
-    assert loads >= 3  # fsdp.py (rng states), shard_merge.py (verl shards), a test: all weights_only=True
+    # checkpoint.py (rng states), shard_merge.py (verl shards), a test: all weights_only=True
+    assert loads >= 3
 
 
 def test_defaults_run_no_foreign_code():

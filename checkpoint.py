@@ -1,0 +1,259 @@
+"""Checkpoints: write, check, pick and load `RUN/global_step_N/` with torch.distributed.checkpoint (DCP).
+
+Used by sft.py and rl.py (grpo.py, ppo.py); shard_merge.py reads the same layout offline to export a
+Hugging Face folder. The layout of one checkpoint:
+    global_step_N/
+        model/              DCP of the model state dict (Hugging Face key names): `.metadata` + `__R_0.distcp`
+        optim/              DCP of the optimizer state (absent when saved without an optimizer)
+        huggingface/        config, generation config, tokenizer (and lora.json with LoRA), for shard_merge.py
+        critic/             PPO: the critic's own model/, optim/ and huggingface/ (`extra` in save_checkpoint)
+        trainer_state.json  step, data position, scheduler, world size, the resolved config, run info
+        rng/rank_R.pt       each rank's python, torch and CUDA RNG states
+        manifest.json       every other file's size in bytes, written last (after every rank finished)
+Every rank writes its own DCP shards and RNG file; rank 0 writes the rest.
+
+Crash safety. A run can die at any instruction (a preempted node, an out-of-memory kill), and a resume must
+never start from a checkpoint that is only partly on disk, nor silently start over:
+1. A checkpoint is written as `global_step_N.tmp/` and renamed to `global_step_N/` (os.replace, atomic on one
+   filesystem) only after a barrier, when every rank has finished writing. A `.tmp` folder is never listed nor
+   resumed from; the next save of the same step deletes it.
+2. manifest.json is written last, by rank 0 after that barrier: the size of every other file. A checkpoint is
+   complete only when its manifest exists and every file it names has that size (`checkpoint_problem`: a few
+   stat calls, no reading, so checking a many-GB checkpoint is instant). That also catches damage done after
+   the write (a truncated shard, a deleted file) that the rename alone cannot.
+3. `resolve_resume("auto")` takes the newest complete checkpoint, naming the bad file of each newer one it
+   skips; an explicit path must be complete; checkpoints that exist but are all incomplete are an error
+   (starting over would hide the damage).
+4. A checkpoint is deleted (keep_last, or a re-save of the same step) by renaming it to `global_step_N.old/`
+   first, so a crash halfway through a delete never leaves a half-deleted folder under a checkpoint's name.
+DCP reshards on load, so a run saved on W ranks resumes on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fsdp import print0
+
+# Exactly `global_step_N`: an unfinished `.tmp` write and a `.old` folder being deleted never match.
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+MANIFEST = "manifest.json"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every `global_step_N/` folder under `run_dir`, oldest first, complete or not (`checkpoint_problem`).
+
+    A `global_step_N.tmp/` folder is an unfinished write and is never listed.
+    """
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a complete checkpoint, naming the first bad file; None when it is complete.
+
+    Compares every file against the sizes in manifest.json (a few stat calls, no reading): a missing
+    manifest, a missing file (DCP `.metadata`, a `__R_0.distcp` shard, trainer_state.json, rng/rank_R.pt)
+    or a file of another size (truncated) is reported with its path.
+    """
+    path = Path(path).expanduser()
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing (the write did not finish, or the checkpoint predates manifests)"
+    try:
+        sizes = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+    return None
+
+
+def resolve_resume(run_dir: str | Path, resume_mode: str) -> Path | None:
+    """The checkpoint to resume from.
+
+    Args:
+        run_dir: the run folder holding `global_step_N/` checkpoints.
+        resume_mode: `auto`: the newest complete checkpoint in run_dir (None if there is none); an incomplete
+            newer one is skipped with a message naming its bad file. `disable`: None. Else a checkpoint path,
+            which must be complete (no fallback).
+    Returns:
+        the checkpoint folder, or None to start from scratch.
+    Raises:
+        FileNotFoundError / ValueError naming the missing or bad file: a given path that is not a complete
+        checkpoint, or `auto` when checkpoints exist but none is complete (starting over would hide that).
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode != "auto":
+        path = Path(resume_mode).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"resume_mode={resume_mode!r}: {path} does not exist")
+        if problem := checkpoint_problem(path):
+            raise ValueError(f"resume_mode={resume_mode!r} is not a complete checkpoint: {problem}")
+        return path
+    ckpts = list_checkpoints(run_dir)
+    skipped = []
+    for ckpt in reversed(ckpts):
+        if problem := checkpoint_problem(ckpt):
+            print0(f"resume: skipping {ckpt.name}: {problem}")
+            skipped.append(ckpt.name)
+            continue
+        if skipped:
+            print0(f"resume: fell back to {ckpt} (newer ones are incomplete: {', '.join(skipped)})")
+        return ckpt
+    if ckpts:
+        raise ValueError(
+            f"no complete checkpoint in {run_dir} ({len(ckpts)} incomplete, see above); "
+            "pass trainer.resume_mode=disable to start over"
+        )
+    return None
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Renames away, then deletes: a crash halfway through never leaves a half-deleted `global_step_N/`."""
+    doomed = path.with_name(path.name + ".old")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    hf_files: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    extra: dict[str, tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]] | None = None,
+) -> Path:
+    """Writes RUN/global_step_N/ from every rank (collective) and returns its path.
+
+    Args:
+        trainer_state: JSON-serialisable state (data position, scheduler, config...), written by rank 0.
+        hf_files: {"config": PretrainedConfig, "tokenizer": tokenizer, "generation_config": ..., "lora": dict}
+            saved under huggingface/ by rank 0 so the checkpoint is self-describing for shard_merge.py.
+        keep_last: delete older complete checkpoints beyond this many (None keeps all).
+        extra: more models in the same checkpoint, each in its own sub-folder with its model/, optim/ and
+            huggingface/: {"critic": (critic, critic_optimizer, critic_hf_files)} for PPO. `load_checkpoint`
+            with prefix="critic" reads one back, `shard_merge.py --component critic` exports it.
+    """
+    rank = dist.get_rank()
+    run_dir = Path(run_dir).expanduser()
+    final = run_dir / f"global_step_{step}"
+    tmp = run_dir / f"global_step_{step}.tmp"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier write of this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    parts = {"": (model, optimizer, hf_files or {})} | (extra or {})
+    for prefix, (m, opt, files) in parts.items():
+        base = tmp / prefix if prefix else tmp
+        dcp.save(get_model_state_dict(m), checkpoint_id=str(base / "model"))
+        if opt is not None:
+            dcp.save(get_optimizer_state_dict(m, opt), checkpoint_id=str(base / "optim"))
+        if rank == 0:
+            _save_hf_files(base / "huggingface", files)
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        state = dict(trainer_state, global_step=step, world_size=dist.get_world_size())
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
+    dist.barrier()
+    if rank == 0:
+        # Written last, once every rank's files are closed: sizes to check a later resume against.
+        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(sizes, indent=1))
+        if final.exists():
+            _remove_checkpoint(final)
+        os.replace(tmp, final)
+        if keep_last is not None:
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                _remove_checkpoint(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, prefix: str = ""
+) -> dict[str, Any]:
+    """Loads model (and optimizer) state saved by `save_checkpoint`, resharding to this job's world size.
+
+    Restores this rank's RNG states when the checkpoint has them for this rank. Returns trainer_state.json.
+    Raises ValueError naming the file when the checkpoint is incomplete (see `checkpoint_problem`).
+    """
+    path = Path(path)
+    if problem := checkpoint_problem(path):
+        raise ValueError(f"cannot load checkpoint {path}: {problem}")
+    base = path / prefix if prefix else path
+    model_sd = get_model_state_dict(model)
+    dcp.load(model_sd, checkpoint_id=str(base / "model"))
+    set_model_state_dict(model, model_sd)
+    if optimizer is not None:
+        optim_sd = get_optimizer_state_dict(model, optimizer)
+        dcp.load(optim_sd, checkpoint_id=str(base / "optim"))
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=True))
+    # A rank the saved run did not have (resumed on more ranks) keeps the state seed_everything gave it.
+    # weights_only: a checkpoint may come from someone else, and a full unpickle can run code.
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's python, torch and (on GPU) CUDA RNG states, so a resumed run draws the same numbers."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    """Restores what `_rng_state` saved; a CUDA state is skipped on a machine without CUDA."""
+    version, internal, gauss = state["python"]  # random.setstate insists on a tuple for the internal state
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _save_hf_files(out: Path, files: dict[str, Any]) -> None:
+    """Writes save_checkpoint's `hf_files` (whichever are given) into `out`, as shard_merge.py reads them."""
+    out.mkdir(parents=True, exist_ok=True)
+    if files.get("config") is not None:
+        files["config"].save_pretrained(out)
+    if files.get("generation_config") is not None:
+        files["generation_config"].save_pretrained(out)
+    if files.get("tokenizer") is not None:
+        files["tokenizer"].save_pretrained(out)
+    if files.get("lora"):
+        (out / "lora.json").write_text(json.dumps(files["lora"], indent=2))
