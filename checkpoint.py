@@ -160,7 +160,7 @@ def save_checkpoint(
         trainer_state: JSON-serialisable state (data position, scheduler, config...), written by rank 0.
         hf_files: {"config": PretrainedConfig, "tokenizer": tokenizer, "generation_config": ..., "lora": dict}
             saved under huggingface/ by rank 0 so the checkpoint is self-describing for shard_merge.py.
-        keep_last: delete older complete checkpoints beyond this many (None keeps all).
+        keep_last: delete the oldest checkpoints beyond this many, counted by name (None keeps all).
         extra: more models in the same checkpoint, each in its own sub-folder with its model/, optim/ and
             huggingface/: {"critic": (critic, critic_optimizer, critic_hf_files)} for PPO. `load_checkpoint`
             with prefix="critic" reads one back, `shard_merge.py --component critic` exports it.
