@@ -8,7 +8,8 @@ cheap deterministic function of the text (bench/e2e_reward.py). The step time is
 the first (flatrl: metrics.jsonl timing_s/step; TRL: the time between optimizer-step ends); the first step is
 reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
-  `--token-budget` tokens, no gradient checkpointing, sleep level 2), `rollout.ignore_eos` for fixed lengths.
+  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing`, sleep level 2),
+  `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in ../shared/gpu/README.md's TRL run), per-device batch 16 x
@@ -70,7 +71,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "max_response_length": args.response_len, "train_batch_size": args.num_prompts,
             "apply_chat_template": False,
         },
-        "model": {"path": model},
+        "model": {"path": model, "enable_gradient_checkpointing": args.gradient_checkpointing},
         "actor": {
             "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
             "ppo_max_token_len_per_gpu": args.token_budget, "optim": {"lr": 1e-6},
@@ -282,7 +283,7 @@ def main(args: argparse.Namespace) -> dict:
         "model": args.model,
         "settings": {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "response_len", "steps")}
         | {"trl_steps": args.trl_steps, "gpu_memory_utilization": args.gpu_memory_utilization,
-           "token_budget": args.token_budget},
+           "token_budget": args.token_budget, "flatrl_gradient_checkpointing": args.gradient_checkpointing},
         "flatrl": flatrl,
         "trl": trl,
         "ratios": {
@@ -310,6 +311,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-steps", type=int, default=3)
     p.add_argument("--token-budget", type=int, default=16384, help="flatrl: actor.ppo_max_token_len_per_gpu")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share, both frameworks")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="flatrl with activation recomputation too, as the TRL run has it: the memory comparison at equal settings",
+    )  # fmt: skip
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--workdir", default=None)
