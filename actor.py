@@ -268,7 +268,7 @@ def compute_logprobs(
         )
     d = d if d.numel() else torch.zeros(1)  # this rank has none: 0 for the max over ranks
     return {
-        "rollout/logprob_diff_mean": fsdp.all_reduce(float(d.sum())) / max(tokens, 1),
+        "rollout/logprob_diff_mean": fsdp.all_reduce(float(d.sum())) / tokens,
         "rollout/logprob_diff_max": fsdp.all_reduce(float(d.max()), "max"),
         "actor/entropy": fsdp.all_reduce(ent_sum) / max(fsdp.all_reduce(n_tok), 1),
     }

@@ -316,7 +316,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     if getattr(cfg.rollout, "name", "vllm") == "hf":
         engine = 2 * P  # an unsharded bf16 copy, no KV cache
     asleep = ENGINE_ASLEEP_BYTES if getattr(cfg.rollout, "free_cache_engine", True) else engine
-    rollout_adam = 0.0 if getattr(fs, "offload_optimizer_in_rollout", False) else adam
+    offload_in_rollout = getattr(fs, "offload_optimizer_in_rollout", False)
+    rollout_adam = 0.0 if offload_in_rollout else adam
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
     critic = getattr(cfg, "critic", None)
@@ -325,7 +326,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         c_off = critic.model.fsdp_config.cpu_offload
         base["critic params"] = 0.0 if c_off else 4 * P / W
         c_adam = 0.0 if c_off else 8 * P / W
-        c_rollout_adam = 0.0 if getattr(fs, "offload_optimizer_in_rollout", False) else c_adam
+        c_rollout_adam = 0.0 if offload_in_rollout else c_adam
     phases = {
         "gen": base | {"optimizer": rollout_adam, "engine": engine},
         "old_logprob": base

