@@ -19,8 +19,10 @@ ranks does not change the update.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,8 @@ import fsdp
 import lora
 import losses
 import optim
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,23 @@ def mask_of(lengths: list[int], device: torch.device) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- passes
 
 
+def in_train_mode(update: Callable[..., T]) -> Callable[..., T]:
+    """Decorates an update whose first argument is the model: train mode while it runs, eval mode after (also
+    on an exception), as verl's dp_actor. from_pretrained returns a model in eval mode, and Hugging Face decoder
+    layers recompute activations (model.enable_gradient_checkpointing) only when `self.training`; the no-grad
+    passes (compute_logprobs, ppo.compute_values) run in eval mode."""
+
+    @functools.wraps(update)
+    def wrapper(model: torch.nn.Module, *args, **kwargs) -> T:
+        model.train()
+        try:
+            return update(model, *args, **kwargs)
+        finally:
+            model.eval()
+
+    return wrapper
+
+
 @torch.no_grad()
 def compute_logprobs(
     model: torch.nn.Module,
@@ -234,6 +255,7 @@ def compute_logprobs(
     Raises RuntimeError (on every rank) when no sample of any rank carries the engine's logprobs: the weight
     push would go unchecked.
     """
+    model.eval()
     diffs, ent_sum, n_tok = [], 0.0, 0
     for g in actor_micro_batches(samples, list(range(len(samples))), cfg):
         b = collate(samples, g, packed, pad_id, device)
@@ -292,6 +314,7 @@ def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) ->
     ]
 
 
+@in_train_mode
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -265,13 +265,15 @@ def critic_micro_batches(samples: list[actor.Sample], idx: list[int], cfg: Criti
 def compute_values(
     critic: torch.nn.Module, samples: list[actor.Sample], cfg: CriticConfig, packed: bool, pad_id: int, device
 ) -> None:
-    """Sets sample.values ([L], on the CPU) for every sample of this rank."""
+    """Sets sample.values ([L], on the CPU) for every sample of this rank (in eval mode)."""
+    critic.eval()
     for g in critic_micro_batches(samples, list(range(len(samples))), cfg):
         v = critic_values(critic, samples, g, packed, pad_id, device).cpu()  # [S, R]
         for j, i in enumerate(g):
             samples[i].values = v[j, : len(samples[i].response_ids)]
 
 
+@actor.in_train_mode
 def update_critic(
     critic: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -26,6 +26,20 @@ def toy_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def tiny_qwen2(tmp_path) -> Path:
+    """A one-layer Qwen2 of random weights saved as a Hugging Face folder: loaded through fsdp.load_model it
+    arrives in eval mode, as a real checkpoint does (a model built from its config starts in train mode)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "tiny_qwen2")
+    return tmp_path / "tiny_qwen2"
+
+
+@pytest.fixture
 def one_rank(monkeypatch):
     """A one-process gloo group in this process (as `python sft.py` makes one), destroyed after the test."""
     import torch.distributed as dist

@@ -120,6 +120,20 @@ def _tiny_policy(device: torch.device):
     return model, optimizer, scheduler
 
 
+def _random_samples() -> list:
+    """4 prompts x 2 responses of random lengths (tokens < 64), GRPO advantages of +-1."""
+    import actor
+
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for g in range(4):
+        for k in range(2):
+            L = int(torch.randint(3, 9, (1,), generator=gen))
+            ids = torch.randint(1, 64, (5 + L,), generator=gen).tolist()
+            samples.append(actor.Sample(ids[:5], ids[5:], None, "stop", g, advantages=1.0 if k else -1.0))
+    return samples
+
+
 def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
     """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
     1) moves the weights as the separate old-logprob pass does; with two mini-batches it is refused."""
@@ -127,13 +141,7 @@ def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
     import optim
 
     device = one_rank.device
-    gen = torch.Generator().manual_seed(1)
-    samples = []
-    for g in range(4):  # 4 prompts x 2 responses of random lengths, GRPO advantages of +-1
-        for k in range(2):
-            L = int(torch.randint(3, 9, (1,), generator=gen))
-            ids = torch.randint(1, 64, (5 + L,), generator=gen).tolist()
-            samples.append(actor.Sample(ids[:5], ids[5:], None, "stop", g, advantages=1.0 if k else -1.0))
+    samples = _random_samples()
     cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
     weights = []
     for from_update in (False, True):
@@ -170,3 +178,43 @@ def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
             model, optimizer, scheduler, optim.SkipGuard(5), samples, 4, two_steps, 1.0, True, 0, device,
             norm_length=8,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_update_policy_recomputes_with_checkpointing_and_leaves_eval_mode(
+    one_rank, tiny_qwen2, checkpointing
+):
+    """from_pretrained returns a model in eval mode, and Hugging Face decoder layers recompute only in train mode:
+    update_policy trains in train mode (with checkpointing each layer runs twice per micro-batch: forward, then
+    again in the backward pass), and leaves eval mode behind, also on an error; compute_logprobs runs in eval."""
+    import actor
+    import optim
+
+    device = one_rank.device
+    mcfg = actor.ModelConfig(path=str(tiny_qwen2), enable_gradient_checkpointing=checkpointing)
+    model, _ = actor.load(mcfg, device)
+    optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
+    samples = _random_samples()
+    samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
+    cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
+    n_micro = len(actor.actor_micro_batches(samples, list(range(len(samples))), cfg))
+    assert n_micro == 3  # 8 samples, 3 a micro-batch
+    modes = []  # the layer's training flag at each call (a pre-hook: a recompute stops before the end)
+    model.model.layers[0].register_forward_pre_hook(lambda m, args: modes.append(m.training))
+
+    model.train()  # whatever mode it is left in, the logprob pass runs in eval
+    actor.compute_logprobs(model, samples, cfg, 1.0, True, 0, device)
+    assert modes == [False] * n_micro
+    modes.clear()
+    args = (optimizer, scheduler, optim.SkipGuard(5), samples, 4, cfg, 1.0, True, 0, device)
+    actor.update_policy(model, *args, norm_length=8)
+    assert modes == [True] * n_micro * (2 if checkpointing else 1)
+    assert not any(m.training for m in model.modules())
+
+    def fail(m, args):
+        raise RuntimeError("boom")
+
+    model.model.layers[0].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        actor.update_policy(model, *args, norm_length=8)
+    assert not any(m.training for m in model.modules())

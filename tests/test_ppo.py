@@ -114,3 +114,40 @@ def test_adaptive_kl_controller_by_hand():
     assert fixed.value == 0.05
     with pytest.raises(ValueError, match="horizon"):
         ppo.KLController(ppo.KLControlConfig(type="adaptive", horizon=0))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_update_critic_recomputes_with_checkpointing_and_leaves_eval_mode(
+    one_rank, tiny_qwen2, checkpointing
+):
+    """As update_policy (tests/test_grpo.py): the critic's update runs in train mode, so with checkpointing each
+    decoder layer runs twice per micro-batch; compute_values and what follows run in eval mode."""
+    import actor
+    import optim
+
+    device = one_rank.device
+    mcfg = actor.ModelConfig(path=str(tiny_qwen2), enable_gradient_checkpointing=checkpointing)
+    critic, _ = actor.load(mcfg, device, value_head=True)
+    optimizer, _ = optim.build(critic.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for g in range(4):  # 4 prompts x 2 responses of 3 to 8 tokens
+        for _ in range(2):
+            ids = torch.randint(1, 64, (5 + int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen)
+            samples.append(actor.Sample(ids[:5].tolist(), ids[5:].tolist(), None, "stop", g))
+    cfg = ppo.CriticConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
+    modes = []  # the layer's training flag at each call (a pre-hook: a recompute stops before the end)
+    critic.model.layers[0].register_forward_pre_hook(lambda m, args: modes.append(m.training))
+
+    critic.train()  # whatever mode it is left in, the value pass runs in eval
+    ppo.compute_values(critic, samples, cfg, True, 0, device)
+    assert modes == [False] * 3  # 8 samples, 3 a micro-batch
+    modes.clear()
+    for s in samples:
+        s.returns = torch.rand(len(s.response_ids), generator=gen)
+    metrics = ppo.update_critic(
+        critic, optimizer, optim.SkipGuard(5), samples, 4, cfg, True, 0, device, norm_length=8
+    )
+    assert metrics["critic/vf_loss"] > 0
+    assert modes == [True] * 3 * (2 if checkpointing else 1)
+    assert not any(m.training for m in critic.modules())
