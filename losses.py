@@ -20,6 +20,8 @@ Deviations from verl:
 4. policy_loss returns its metrics as detached 0-dim tensors, not floats, so no device sync per micro-batch.
 """
 
+import functools
+
 import torch
 
 import data
@@ -195,17 +197,31 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def _chunk_logits(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh fp32 copy of one chunk of logits, divided by temperature: safe to modify in place."""
-    z = x.to(torch.float32, copy=True)
-    return z if temperature == 1.0 else z.div_(temperature)
+COMPILE = True
+"""On CUDA, run the per-chunk math below through torch.compile: one fused kernel reads the bf16 logits once per
+direction instead of ~10 fp32 [chunk, V] passes (H200, 0.5B update: about 1.2 s of a 6 s update). Eager elsewhere,
+and everywhere when False."""
 
 
-def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent) -> torch.Tensor:
-    """d(g_lp . logprob + g_ent . entropy)/dz for one chunk [n, V], fp32, in two [n, V] buffers (z reused).
+def _chunk_stats(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    """(lse, logprob of labels, entropy or None) of one chunk of logits z [n, V] (any float dtype), fp32 math."""
+    z = z.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, -1)
+    logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, -1) * z).sum(-1) if with_entropy else None  # H = lse - sum_j p_j z_j
+    return lse, logprobs, entropy
 
-    d logprob_i / dz_j = 1[j = label] - p_j;  d H / dz_j = -p_j (log p_j + H). g_lp or g_ent may be None."""
-    logp = z.sub_(lse.unsqueeze(-1))  # [n, V]
+
+def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """d(g_lp . logprob + g_ent . entropy)/dz for one chunk of logits z [n, V], in z's dtype (fp32 math, two
+    [n, V] buffers in eager). d logprob_i / dz_j = 1[j = label] - p_j;  d H / dz_j = -p_j (log p_j + H); both
+    divided by the temperature. g_lp or g_ent may be None."""
+    logp = z.to(torch.float32, copy=True)  # a fresh copy: the in-place ops below must not touch z
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(lse.unsqueeze(-1))  # [n, V]
     p = logp.exp()
     if g_ent is None:
         grad = p.mul_(-g_lp.unsqueeze(-1))
@@ -216,7 +232,19 @@ def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent) -> torch.Tensor:
         grad = coef.mul_(p)  # p * (-g_lp - g_ent (log p + H))
     if g_lp is not None:
         grad.scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1))
-    return grad
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(z.dtype)
+
+
+@functools.cache
+def _compiled() -> tuple:
+    """_chunk_stats and _chunk_grad through torch.compile (compiled at first call, per shape class)."""
+    return torch.compile(_chunk_stats, fullgraph=True), torch.compile(_chunk_grad, fullgraph=True)
+
+
+def _kernels(device: torch.device) -> tuple:
+    return _compiled() if COMPILE and device.type == "cuda" else (_chunk_stats, _chunk_grad)
 
 
 def _slice(x: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
@@ -229,16 +257,16 @@ class _ChunkedTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, labels, chunk_size, with_entropy, temperature):
         ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward
+        stats = _kernels(x.device)[0]
         n_rows = x.shape[0]
         lse, logprobs = (x.new_empty(n_rows, dtype=torch.float32) for _ in range(2))
         entropy = x.new_empty(n_rows if with_entropy else 0, dtype=torch.float32)
         for s in range(0, n_rows, chunk_size):
             sl = slice(s, s + chunk_size)
-            z = _chunk_logits(x[sl] if weight is None else x[sl] @ weight.T, temperature)  # [n, V] fp32
-            lse[sl] = torch.logsumexp(z, -1)
-            logprobs[sl] = z.gather(-1, labels[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
-            if with_entropy:  # H = lse - sum_j p_j z_j
-                entropy[sl] = lse[sl] - (torch.softmax(z, -1) * z).sum(-1)
+            z = x[sl] if weight is None else x[sl] @ weight.T  # [n, V]
+            lse[sl], logprobs[sl], ent = stats(z, labels[sl], temperature, with_entropy)
+            if with_entropy:
+                entropy[sl] = ent
         ctx.save_for_backward(x, weight, labels, lse, entropy)
         ctx.chunk_size, ctx.with_entropy, ctx.temperature = chunk_size, with_entropy, temperature
         return logprobs, entropy
@@ -249,15 +277,16 @@ class _ChunkedTokenStats(torch.autograd.Function):
         g_ent = g_ent if ctx.with_entropy else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None
+        chunk_grad = _kernels(x.device)[1]
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         need_w = weight is not None and ctx.needs_input_grad[1]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         for s in range(0, x.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
-            z = _chunk_logits(x[sl] if weight is None else x[sl] @ weight.T, ctx.temperature)
-            g = _chunk_grad(z, labels[sl], lse[sl], _slice(entropy, sl), _slice(g_lp, sl), _slice(g_ent, sl))
-            g = g.div_(ctx.temperature).to(x.dtype)  # [n, V] d loss / d logits, in the input dtype
-            if weight is None:
+            z = x[sl] if weight is None else x[sl] @ weight.T
+            ent = _slice(entropy, sl) if g_ent is not None else None
+            g = chunk_grad(z, labels[sl], lse[sl], ent, _slice(g_lp, sl), _slice(g_ent, sl), ctx.temperature)
+            if weight is None:  # g: [n, V] d loss / d logits, in the input dtype
                 grad_x[sl] = g
                 continue
             if grad_x is not None:

@@ -280,3 +280,37 @@ def test_chunked_from_hidden_matches_full_logits(chunk_size):
     ref_lp, _ = _reference(hidden @ weight.detach().T, labels, 1.0)
     (ref_g_h,) = torch.autograd.grad(ref_lp.sum(), hidden)
     torch.testing.assert_close(g_h, ref_g_h, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_compiled_chunk_kernels_match_eager(device, monkeypatch):
+    """The torch.compile'd chunk math (losses.COMPILE, what CUDA runs) gives the eager results: fp32 and bf16
+    logits, a short last chunk (a second shape), entropy on and off, a temperature, the head inside."""
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 45, 16, 300
+    hidden = torch.randn(n, h, generator=g).to(device)
+    weight = (0.5 * torch.randn(v, h, generator=g)).to(device)
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    w_lp, w_ent = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
+
+    def run(dtype, with_entropy, temperature):
+        x, w = hidden.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
+        lp, ent = losses.token_logprobs_and_entropy_from_hidden(x, w, labels, 16, with_entropy, temperature)
+        out = (lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0)
+        return (lp, ent, *torch.autograd.grad(out, (x, w)))
+
+    cases = [(torch.float32, True, 0.7), (torch.float32, False, 1.0), (torch.bfloat16, True, 1.0)]
+    eager = [run(*c) for c in cases]
+    monkeypatch.setattr(losses, "_kernels", lambda _device: losses._compiled())
+    for case, want in zip(cases, eager, strict=True):
+        got = run(*case)
+        tol = 1e-5 if case[0] == torch.float32 else 2e-2  # bf16: the gradient is rounded to bf16 either way
+        for a, b in zip(got, want, strict=True):
+            if b is not None:
+                torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
