@@ -141,7 +141,7 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
     import rollout
 
     cfg = SimpleNamespace(
-        model=actor.ModelConfig(path=model),
+        model=actor.ModelConfig(path=model, enable_gradient_checkpointing=args.gradient_checkpointing),
         actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
         rollout=rollout.RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
