@@ -21,6 +21,7 @@ Deviations from verl:
 """
 
 import functools
+import warnings
 
 import torch
 
@@ -237,10 +238,36 @@ def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent, temperature: float) -> tor
     return grad.to(z.dtype)
 
 
+def _or_eager(compiled, eager):
+    """`compiled`, or `eager` from the first failure on (a GPU without a working Triton or C compiler): a warning
+    names the error, and COMPILE turns False for the rest of the process. Out-of-memory errors propagate."""
+
+    def call(*args):
+        global COMPILE
+        if COMPILE:
+            try:
+                return compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                COMPILE = False
+                warnings.warn(
+                    f"losses: the torch.compile'd logprob kernels failed ({type(e).__name__}: {e}); running them "
+                    "eagerly from now on (losses.COMPILE = False), slower and with more memory",
+                    stacklevel=2,
+                )
+        return eager(*args)
+
+    return call
+
+
 @functools.cache
 def _compiled() -> tuple:
     """_chunk_stats and _chunk_grad through torch.compile (compiled at first call, per shape class)."""
-    return torch.compile(_chunk_stats, fullgraph=True), torch.compile(_chunk_grad, fullgraph=True)
+    return (
+        _or_eager(torch.compile(_chunk_stats, fullgraph=True), _chunk_stats),
+        _or_eager(torch.compile(_chunk_grad, fullgraph=True), _chunk_grad),
+    )
 
 
 def _kernels(device: torch.device) -> tuple:

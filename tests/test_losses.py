@@ -307,6 +307,7 @@ def test_compiled_chunk_kernels_match_eager(device, monkeypatch):
 
     cases = [(torch.float32, True, 0.7), (torch.float32, False, 1.0), (torch.bfloat16, True, 1.0)]
     eager = [run(*c) for c in cases]
+    monkeypatch.setattr(losses, "COMPILE", True)
     monkeypatch.setattr(losses, "_kernels", lambda _device: losses._compiled())
     for case, want in zip(cases, eager, strict=True):
         got = run(*case)
@@ -314,3 +315,29 @@ def test_compiled_chunk_kernels_match_eager(device, monkeypatch):
         for a, b in zip(got, want, strict=True):
             if b is not None:
                 torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    assert losses.COMPILE, "the compiled kernels failed and fell back to eager (see the warning)"
+
+
+def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch):
+    """A compiled kernel that raises (no working Triton, say): the eager result, one warning naming the error,
+    and losses.COMPILE off for the rest of the process; an out-of-memory error is not swallowed."""
+    monkeypatch.setattr(losses, "COMPILE", True)
+    g = torch.Generator().manual_seed(4)
+    z, labels = torch.randn(5, 30, generator=g), torch.randint(0, 30, (5,), generator=g)
+
+    def broken(*args):
+        raise RuntimeError("triton: no C compiler")
+
+    stats = losses._or_eager(broken, losses._chunk_stats)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        got = stats(z, labels, 1.0, True)
+    for a, b in zip(got, losses._chunk_stats(z, labels, 1.0, True), strict=True):
+        torch.testing.assert_close(a, b)
+    assert losses.COMPILE is False
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(losses, "COMPILE", True)
+    with pytest.raises(torch.OutOfMemoryError):
+        losses._or_eager(oom, losses._chunk_stats)(z, labels, 1.0, True)
