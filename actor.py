@@ -170,8 +170,20 @@ def actor_micro_batches(samples: list[Sample], idx: list[int], cfg: ActorConfig)
     return micro_batch_groups(samples, idx, cfg.ppo_micro_batch_size_per_gpu, budget)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. On CUDA through pinned memory without blocking: a copy from pageable memory
+    synchronises the stream, and a micro-batch loop that waits for the GPU to drain its queue leaves it idle
+    while the host prepares the next kernels."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def collate(samples: list[Sample], idx: list[int], packed: bool, pad_id: int, device: torch.device) -> dict:
-    """Model inputs for samples[idx] (prompt + response, loss mask on the response); [[pad]] when empty."""
+    """Model inputs for samples[idx] (prompt + response, loss mask on the response); [[pad]] when empty.
+
+    Also `labels` and `label_mask` [B, T] (data.shift_labels) and `response_index` [M], the flat row-major
+    positions of the labelled tokens (response_matrix). All built on the host and copied without a device sync;
+    `max_seqlen` stays on the host, where data.model_inputs reads it.
+    """
     if not idx:
         seqs, masks = [[pad_id]], [[0]]
     else:
@@ -179,40 +191,41 @@ def collate(samples: list[Sample], idx: list[int], packed: bool, pad_id: int, de
         masks = [[0] * len(samples[i].prompt_ids) + [1] * len(samples[i].response_ids) for i in idx]
     dense = None if device.type == "cuda" else torch.bool  # GPU: no N x N mask (varlen attention)
     b = data.pack_batch(seqs, masks, mask_dtype=dense) if packed else data.pad_batch(seqs, masks, pad_id)
-    return {k: v.to(device) for k, v in b.items()}
+    b["labels"], b["label_mask"] = data.shift_labels(b)
+    b["response_index"] = b["label_mask"].reshape(-1).nonzero().reshape(-1)
+    return {k: v if k == "max_seqlen" else to_device(v, device) for k, v in b.items()}
 
 
-def response_matrix(values: torch.Tensor, label_mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def response_matrix(values: torch.Tensor, index: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Per-token values at the response positions of a micro-batch, as [S, R] (R = longest response).
 
-    values, label_mask: [B, T] from the model (either layout); their masked entries, in row-major order, are
-    the S responses' tokens one after another, which is how collate() laid them out.
+    values: [B, T] from the model (either layout); index: collate's `response_index`, the flat positions of
+    the S responses' tokens one after another, which is how collate() laid them out. No device sync.
     """
-    flat = values[label_mask.bool()]  # [sum(lengths)]
+    flat = values.reshape(-1)[index]  # [sum(lengths)]
     S, R = len(lengths), max(lengths, default=1)
-    lens = torch.tensor(lengths, device=values.device)
-    rows = torch.repeat_interleave(torch.arange(S, device=values.device), lens)
-    cols = torch.arange(flat.numel(), device=values.device) - torch.repeat_interleave(
-        lens.cumsum(0) - lens, lens
-    )
-    out = torch.zeros(S, R, dtype=values.dtype, device=values.device)  # [S, R]
-    out[rows, cols] = flat
+    lens = torch.tensor(lengths)
+    rows = torch.repeat_interleave(torch.arange(S), lens)
+    cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    out = values.new_zeros(S, R)  # [S, R]
+    out[to_device(rows, values.device), to_device(cols, values.device)] = flat
     return out
 
 
 def padded(rows: list[torch.Tensor | list[float] | float], R: int, device: torch.device) -> torch.Tensor:
-    """Right-pads per-sample 1-D values (or broadcasts scalars) into [S, R] float32."""
-    out = torch.zeros(len(rows), R, device=device)
+    """Right-pads per-sample 1-D values (or broadcasts scalars) into [S, R] float32 on `device` (built on the
+    host: the samples keep theirs there)."""
+    out = torch.zeros(len(rows), R)
     for i, r in enumerate(rows):
-        r = torch.as_tensor(r, dtype=torch.float32, device=device)
+        r = torch.as_tensor(r, dtype=torch.float32)
         out[i, : (r.numel() if r.dim() else R)] = r
-    return out
+    return to_device(out, device)
 
 
 def mask_of(lengths: list[int], device: torch.device) -> torch.Tensor:
     """[S, R] float mask of S responses of these lengths."""
     R = max(lengths, default=1)
-    return (torch.arange(R, device=device)[None] < torch.tensor(lengths, device=device)[:, None]).float()
+    return to_device((torch.arange(R)[None] < torch.tensor(lengths)[:, None]).float(), device)
 
 
 # ------------------------------------------------------------------------------------------- passes
@@ -259,12 +272,12 @@ def compute_logprobs(
     diffs, ent_sum, n_tok = [], 0.0, 0
     for g in actor_micro_batches(samples, list(range(len(samples))), cfg):
         b = collate(samples, g, packed, pad_id, device)
-        labels, label_mask = data.shift_labels(b)
+        label_mask = b["label_mask"]
         with lora.disabled(model) if ref else contextlib.nullcontext():
-            lp, ent, raw = losses.forward_logprobs(model, b, labels, temperature, with_entropy=not ref)
+            lp, ent, raw = losses.forward_logprobs(model, b, b["labels"], temperature, with_entropy=not ref)
         lens = [len(samples[i].response_ids) for i in g]
-        lp_rows = response_matrix(lp, label_mask, lens).cpu()  # [S, R]
-        raw_rows = response_matrix(raw, label_mask, lens).cpu()
+        lp_rows = response_matrix(lp, b["response_index"], lens).cpu()  # [S, R]
+        raw_rows = response_matrix(raw, b["response_index"], lens).cpu()
         for j, i in enumerate(g):
             L = lens[j]
             if ref:
@@ -358,16 +371,15 @@ def update_policy(
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
                 b = collate(samples, g, packed, pad_id, device)
-                labels, label_mask = data.shift_labels(b)
                 lp, ent, _ = losses.forward_logprobs(
-                    model, b, labels, temperature, with_entropy=cfg.entropy_coeff != 0
+                    model, b, b["labels"], temperature, with_entropy=cfg.entropy_coeff != 0
                 )
                 if not g:  # keeps this rank's collectives in step with the others; contributes 0
                     (lp.sum() * 0).backward()
                     continue
                 lens = [len(samples[i].response_ids) for i in g]
                 R = max(lens)
-                lp = response_matrix(lp, label_mask, lens)  # [S, R]
+                lp = response_matrix(lp, b["response_index"], lens)  # [S, R]
                 mask = mask_of(lens, device)  # [S, R]
                 old = lp.detach() if from_update else padded([samples[i].old_logprobs for i in g], R, device)
                 adv = padded([samples[i].advantages for i in g], R, device) * mask
@@ -376,33 +388,34 @@ def update_policy(
                     cfg.loss_agg_mode, **norm,
                 )  # fmt: skip
                 loss = pg_loss
-                share = mask.sum().item() / tokens  # this micro-batch's weight in token-mean metrics
-                acc = {"actor/pg_loss": pg_loss.item()} | {
-                    f"actor/{k}": v.item() * share for k, v in m.items()
-                }
+                # Metrics stay device tensors until the mini-batch ends: no sync per micro-batch.
+                share = sum(lens) / tokens  # this micro-batch's weight in token-mean metrics
+                acc = {"actor/pg_loss": pg_loss.detach()} | {f"actor/{k}": v * share for k, v in m.items()}
                 if cfg.use_kl_loss:
                     ref = padded([samples[i].ref_logprobs for i in g], R, device)
                     kl = losses.agg_loss(
                         losses.kl_penalty(lp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **norm
                     )
                     loss = loss + cfg.kl_loss_coef * kl
-                    acc["actor/kl_loss"] = kl.item()
+                    acc["actor/kl_loss"] = kl.detach()
                 if cfg.entropy_coeff != 0:
                     entropy = losses.agg_loss(
-                        response_matrix(ent, label_mask, lens), mask, cfg.loss_agg_mode, **norm
+                        response_matrix(ent, b["response_index"], lens), mask, cfg.loss_agg_mode, **norm
                     )
                     loss = loss - cfg.entropy_coeff * entropy
                 # FSDP averages gradients over ranks; each rank's loss is its share of the global mean.
                 (loss * world).backward()
-                loss_sum += loss.item()
+                loss_sum = loss_sum + loss.detach()
                 for k, v in acc.items():
                     sums[k] = sums.get(k, 0.0) + v
             grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
-            if guard.take_step(fsdp.all_reduce(loss_sum), grad_norm):  # global numbers: all ranks agree
+            if guard.take_step(
+                fsdp.all_reduce(float(loss_sum)), grad_norm
+            ):  # global numbers: all ranks agree
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    out = {k: fsdp.all_reduce(v) / len(grad_norms) for k, v in sums.items()}
+    out = {k: fsdp.all_reduce(float(v)) / len(grad_norms) for k, v in sums.items()}
     out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["actor/skipped_steps"] = guard.skipped
     out["actor/lr"] = scheduler.get_last_lr()[0]

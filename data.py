@@ -566,7 +566,8 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict:
 
     Padded or packed with its N x N mask: input_ids, attention_mask, position_ids. Packed without the mask
     (pack_batch(mask_dtype=None)): attention_mask=None plus transformers' flash-attention keyword arguments
-    cu_seq_lens_q/k [S + 1] int32 and max_length_q/k (ints; reading max_seqlen is one device sync per call).
+    cu_seq_lens_q/k [S + 1] int32 and max_length_q/k (ints: a max_seqlen on the device costs a sync per call,
+    so actor.collate leaves it on the host).
     """
     if "attention_mask" in batch:
         return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}

@@ -248,12 +248,11 @@ def critic_values(
     """The critic's values at the response positions of samples[g], [S, R]: the value of the state before
     each response token (aligned as the actor's logprobs)."""
     b = actor.collate(samples, g, packed, pad_id, device)
-    _, label_mask = data.shift_labels(b)
     out = critic(**data.model_inputs(b))
     values = out.logits[..., 0].float()  # [B, T]
     if not g:  # an empty pass (one pad token): a [1, 1] zero that still depends on the parameters
         return values[:, :1] * 0
-    return actor.response_matrix(values, label_mask, [len(samples[i].response_ids) for i in g])
+    return actor.response_matrix(values, b["response_index"], [len(samples[i].response_ids) for i in g])
 
 
 def critic_micro_batches(samples: list[actor.Sample], idx: list[int], cfg: CriticConfig) -> list[list[int]]:
@@ -310,17 +309,17 @@ def update_critic(
                     vpreds, returns, values, mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
                 )
                 (loss * world).backward()  # FSDP averages over ranks; each rank's loss is its share
-                loss_sum += loss.item()
-                share = mask.sum().item() / tokens
-                sums["critic/vf_loss"] += loss.item()
-                sums["critic/vf_clipfrac"] += clipfrac.item() * share
-                sums["critic/vpred_mean"] += losses.masked_mean(vpreds.detach(), mask).item() * share
+                loss_sum = loss_sum + loss.detach()  # device tensors until the mini-batch ends (actor's loop)
+                share = sum(lens) / tokens
+                sums["critic/vf_loss"] += loss.detach()
+                sums["critic/vf_clipfrac"] += clipfrac.detach() * share
+                sums["critic/vpred_mean"] += losses.masked_mean(vpreds.detach(), mask) * share
             grad_norm = fsdp.grad_norm_and_clip(critic, cfg.grad_clip)
-            if guard.take_step(fsdp.all_reduce(loss_sum), grad_norm):
+            if guard.take_step(fsdp.all_reduce(float(loss_sum)), grad_norm):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    out = {k: fsdp.all_reduce(v) / len(grad_norms) for k, v in sums.items()}
+    out = {k: fsdp.all_reduce(float(v)) / len(grad_norms) for k, v in sums.items()}
     out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
     return out
 

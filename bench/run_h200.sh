@@ -4,6 +4,7 @@
 #
 #   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
 #   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # 5 min measured
+#   call C (optional): ... bash bench/run_h200.sh 3   # flatrl e2e with gradient checkpointing
 # both with carry [".gpu3", ".gpu_trl"]
 #
 # A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
@@ -47,6 +48,8 @@ if [ "$part" = 1 ]; then
   done
   if python3 -c "import pytest" 2>/dev/null; then  # the CUDA-only tests, where the device has pytest
     run gpu-tests python3 -m pytest -q -rs -m gpu tests/test_perf.py
+    # compiled logprob kernels against eager on CUDA; the micro-batch inputs under sync debug mode "error"
+    run gpu-kernels python3 -m pytest -q -rs tests/test_losses.py tests/test_grpo.py -k "compiled or sync"
     for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
       run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
     done
@@ -62,7 +65,10 @@ elif [ "$part" = 2 ]; then
     run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"
   done
   run e2e python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --out "$OUT/e2e.json"
+elif [ "$part" = 3 ]; then  # flatrl with gradient checkpointing, TRL's setting (2.3 min measured, 58239f2)
+  run e2e-gc python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --gradient-checkpointing --skip-trl \
+    --out "$OUT/e2e_gc.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -218,3 +218,47 @@ def test_update_policy_recomputes_with_checkpointing_and_leaves_eval_mode(
     with pytest.raises(RuntimeError, match="boom"):
         actor.update_policy(model, *args, norm_length=8)
     assert not any(m.training for m in model.modules())
+
+
+def test_micro_batch_inputs_match_the_mask_path_and_build_without_a_device_sync() -> None:
+    """actor.collate's host-built labels, label mask and response index give response_matrix what the model's
+    label mask selects (both layouts); on CUDA, collate, response_matrix, mask_of, padded and the policy loss of
+    a micro-batch run under torch.cuda.set_sync_debug_mode("error"), so none of them waits for the GPU."""
+    import actor
+
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    for g in range(3):
+        L = int(torch.randint(1, 7, (1,), generator=gen))
+        ids = torch.randint(1, 50, (4 + g + L,), generator=gen).tolist()
+        samples.append(actor.Sample(ids[: 4 + g], ids[4 + g :], None, "stop", g, advantages=float(g) - 1))
+        samples[-1].old_logprobs = -torch.rand(L, generator=gen)
+    lens = [len(s.response_ids) for s in samples]
+    for packed in (False, True):
+        b = actor.collate(samples, [0, 1, 2], packed, 0, torch.device("cpu"))
+        values = torch.randn(b["labels"].shape, generator=gen)
+        want = torch.zeros(3, max(lens))
+        flat = values[b["label_mask"].bool()]
+        for j, L in enumerate(lens):
+            want[j, :L], flat = flat[:L], flat[L:]
+        assert torch.equal(actor.response_matrix(values, b["response_index"], lens), want)
+        assert b["response_index"].numel() == sum(lens)
+
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda")
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        b = actor.collate(samples, [0, 1, 2], True, 0, device)
+        lp = actor.response_matrix(torch.randn(b["labels"].shape, device=device), b["response_index"], lens)
+        mask = actor.mask_of(lens, device)
+        old = actor.padded([s.old_logprobs for s in samples], max(lens), device)
+        adv = actor.padded([s.advantages for s in samples], max(lens), device) * mask
+        loss, metrics = losses.policy_loss(
+            lp, old, adv, mask, 0.2, 0.2, 3.0, "token-mean", global_tokens=sum(lens)
+        )
+        total = loss.detach() + sum(metrics.values())
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert math.isfinite(float(total))
