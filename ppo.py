@@ -4,7 +4,7 @@ rollout, FSDP2 for the actor, the critic and the frozen reference.
 Every rank holds a shard of the actor, the critic (and the reference when a KL is on) and a whole rollout engine.
 One step:
   1. each rank generates `rollout.n` responses for its share of `data.train_batch_size` prompts, scored by
-     reward.py (rl.generate_and_score);
+     reward.py (rl.generate_and_start_scoring);
   2. the actor recomputes old logprobs (and checks the engine's), the reference its logprobs, the critic values;
   3. token rewards: the score on the last response token, minus `kl_coef * KL(actor || ref)` on every token when
      `algorithm.use_kl_in_reward` (the coefficient fixed, or adapted towards `kl_ctrl.target_kl` as in Ziegler

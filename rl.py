@@ -24,8 +24,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,12 +349,34 @@ def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[di
     return metrics
 
 
-def generate_and_score(
-    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, timer: log.Timer
-) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
-    """Generates for `prompts` (engine asleep afterwards), keeps the responses to prompts[mine], scores them.
+_SCORER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-reward")
 
-    Returns (this rank's prompts, their samples with scores and `group` indexing those prompts, reward metrics).
+
+def score_in_background(
+    pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer
+) -> Callable[[], dict[str, float]]:
+    """Starts `score` in a thread and returns the function that waits for it, so the trainer's logprob passes
+    run meanwhile (the reward workers are processes: the thread decodes and waits on them). The function returns
+    the metrics merged over ranks (a collective, so in the calling thread), with `perf/reward_scoring_s`, the
+    scoring's own seconds; it raises what the scoring raised."""
+
+    def job() -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = score(pool, samples, prompts, tokenizer)
+        return metrics | {"perf/reward_scoring_s": time.perf_counter() - start}
+
+    future = _SCORER.submit(job)
+    return lambda: merge_ranks(future.result())
+
+
+def generate_and_start_scoring(
+    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, timer: log.Timer
+) -> tuple[list[dict], list[actor.Sample], Callable[[], dict[str, float]]]:
+    """Generates for `prompts` (engine asleep afterwards), keeps the responses to prompts[mine], starts scoring
+    them (score_in_background).
+
+    Returns (this rank's prompts, their samples with `group` indexing those prompts, the function that waits
+    for their scores and returns the reward metrics).
     """
     cfg = run.cfg
     seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
@@ -363,9 +387,7 @@ def generate_and_score(
     for s in samples:
         s.group -= mine.start
     prompts = prompts[mine]
-    with timer("reward"):
-        metrics = merge_ranks(score(run.pool, samples, prompts, run.tokenizer))
-    return prompts, samples, metrics
+    return prompts, samples, score_in_background(run.pool, samples, prompts, run.tokenizer)
 
 
 def old_logprobs_from_update(cfg: Any) -> bool:
@@ -388,8 +410,9 @@ def make_experience(
     timer: log.Timer,
     old_from_update: bool = False,
 ) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
-    """A step's experience: the next prompts, their responses and scores (generate_and_score), the policy's old
-    logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs.
+    """A step's experience: the next prompts, their responses and scores (generate_and_start_scoring), the policy's
+    old logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs. The scoring
+    runs beside the two passes; timing_s/reward is what is left of it after them.
 
     old_from_update: the old logprobs are left to the update's forward (sample.old_logprobs None): the pass here
     covers the samples that carry the engine's logprobs alone, for the push check (actor/entropy is theirs too).
@@ -403,10 +426,10 @@ def make_experience(
         cfg.model.use_remove_padding,
     )
     prompts, mine = run.next_prompts()
-    prompts, samples, metrics = generate_and_score(run, engine, prompts, mine, step, timer)
+    prompts, samples, finish_scoring = generate_and_start_scoring(run, engine, prompts, mine, step, timer)
     with timer("old_logprob"), oom("old logprobs", cfg):
         checked = [s for s in samples if s.rollout_logprobs is not None] if old_from_update else samples
-        metrics |= actor.compute_logprobs(policy, checked, cfg.actor, T, packed, pad_id, device)
+        metrics = actor.compute_logprobs(policy, checked, cfg.actor, T, packed, pad_id, device)
         if old_from_update:
             for s in samples:
                 s.old_logprobs = None
@@ -414,6 +437,8 @@ def make_experience(
     if ref is not None:
         with timer("ref"), oom("reference logprobs", cfg):
             actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
+    with timer("reward"):
+        metrics |= finish_scoring()
     return prompts, samples, metrics
 
 

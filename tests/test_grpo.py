@@ -262,3 +262,41 @@ def test_micro_batch_inputs_match_the_mask_path_and_build_without_a_device_sync(
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert math.isfinite(float(total))
+
+
+def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
+    """rl.score_in_background: the reward pool scores while this thread works (each side sees the other's start
+    before it finishes), the scores land on the samples, and the wait returns the merged reward metrics; an error
+    of the scoring is raised by the wait."""
+    import threading
+
+    import actor
+    import rl
+
+    scoring, passes = threading.Event(), threading.Event()
+
+    class Pool:  # the RewardPool interface rl.score uses: score(items) -> (scores, metrics)
+        def score(self, items):
+            scoring.set()
+            saw_passes = passes.wait(timeout=30)
+            return [len(it["response"]) + saw_passes for it in items], {"reward/errors": 0}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    prompts = [dict(data_source="d", raw_prompt="p", ground_truth="g", extra_info={}) for _ in range(2)]
+    samples = [actor.Sample([1], [2] * (k + 1), None, "stop", k % 2) for k in range(4)]
+    wait = rl.score_in_background(Pool(), samples, prompts, Tok())
+    passes.set()  # "the old-logprob pass": running while the scoring waits for it
+    assert scoring.wait(timeout=30)
+    metrics = wait()
+    assert [s.score for s in samples] == [2.0, 3.0, 4.0, 5.0]  # len + 1: the scoring saw the passes start
+    assert metrics["reward/errors"] == 0 and metrics["perf/reward_scoring_s"] >= 0
+
+    class Broken:
+        def score(self, items):
+            raise ValueError("reward function crashed")
+
+    with pytest.raises(ValueError, match="crashed"):
+        rl.score_in_background(Broken(), samples, prompts, Tok())()
