@@ -353,7 +353,7 @@ def update_policy(
         over the optimizer steps (token means for the clip fractions and ppo_kl); actor/lr, the rate used.
     """
     world = dist.get_world_size()
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}  # metric sums, on the device until the update ends
     grad_norms = []
     steps = mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size)
     from_update = any(s.old_logprobs is None for s in samples)  # rl.make_experience left them to this forward
@@ -409,9 +409,8 @@ def update_policy(
                 for k, v in acc.items():
                     sums[k] = sums.get(k, 0.0) + v
             grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
-            if guard.take_step(
-                fsdp.all_reduce(float(loss_sum)), grad_norm
-            ):  # global numbers: all ranks agree
+            # global numbers: all ranks agree
+            if guard.take_step(fsdp.all_reduce(float(loss_sum)), grad_norm):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)

@@ -200,8 +200,8 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 COMPILE = True
 """On CUDA, run the per-chunk math below through torch.compile: one fused kernel reads the bf16 logits once per
-direction instead of ~10 fp32 [chunk, V] passes (H200, 0.5B update: about 1.2 s of a 6 s update). Eager elsewhere,
-and everywhere when False."""
+direction instead of ~10 fp32 [chunk, V] passes (H200, 0.5B GRPO update: 6.1 -> 5.1 s). Eager elsewhere, and
+everywhere when False."""
 
 
 def _chunk_stats(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):

@@ -235,7 +235,8 @@ def logits_bytes_per_token(shape: ModelShape, training: bool) -> float:
 
 
 def kernel_workspace_bytes(shape: ModelShape, chunk_size: int = 1024) -> float:
-    """losses._ChunkedTokenStats: about three fp32 [chunk_size, V] buffers alive at once."""
+    """losses._ChunkedTokenStats: about three fp32 [chunk_size, V] buffers alive at once (eager; an upper bound
+    for the compiled CUDA path, whose fused kernels keep no fp32 [chunk_size, V] temporaries)."""
     return 3 * 4 * chunk_size * shape.vocab
 
 

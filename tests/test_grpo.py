@@ -105,17 +105,15 @@ def test_compute_advantages_sets_one_number_per_sample(estimator):
     assert adv[1] > 0 > adv[0] and adv[3] > 0 > adv[2]  # the rewarded response of each pair is preferred
 
 
-def _tiny_policy(device: torch.device):
-    """A one-layer Qwen2 of random weights, FSDP2-sharded over the one rank, with its AdamW and schedule."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    import fsdp
+def _tiny_policy(path, device: torch.device, checkpointing: bool = False):
+    """The conftest's one-layer Qwen2 (`tiny_qwen2`) loaded as grpo.py loads a policy (FSDP2 over the one rank),
+    with its AdamW and schedule."""
+    import actor
     import optim
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
-    model = fsdp.shard_model(Qwen2ForCausalLM(cfg), device, fsdp.FSDPConfig())
+    model, _ = actor.load(
+        actor.ModelConfig(path=str(path), enable_gradient_checkpointing=checkpointing), device
+    )
     optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
     return model, optimizer, scheduler
 
@@ -134,7 +132,7 @@ def _random_samples() -> list:
     return samples
 
 
-def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
+def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank, tiny_qwen2) -> None:
     """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
     1) moves the weights as the separate old-logprob pass does; with two mini-batches it is refused."""
     import actor
@@ -145,7 +143,7 @@ def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank) -> None:
     cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
     weights = []
     for from_update in (False, True):
-        model, optimizer, scheduler = _tiny_policy(device)
+        model, optimizer, scheduler = _tiny_policy(tiny_qwen2, device)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
         samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
         actor.compute_logprobs(model, samples, cfg, 1.0, True, 0, device)
@@ -191,9 +189,7 @@ def test_update_policy_recomputes_with_checkpointing_and_leaves_eval_mode(
     import optim
 
     device = one_rank.device
-    mcfg = actor.ModelConfig(path=str(tiny_qwen2), enable_gradient_checkpointing=checkpointing)
-    model, _ = actor.load(mcfg, device)
-    optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
+    model, optimizer, scheduler = _tiny_policy(tiny_qwen2, device, checkpointing)
     samples = _random_samples()
     samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
     cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
