@@ -8,7 +8,8 @@ cheap deterministic function of the text (bench/e2e_reward.py). The step time is
 the first (flatrl: metrics.jsonl timing_s/step; TRL: the time between optimizer-step ends); the first step is
 reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
-  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing`, sleep level 2),
+  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing`, sleep level 2, the
+  optimizer state on the device unless `--offload-optimizer`),
   `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
@@ -71,7 +72,10 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "max_response_length": args.response_len, "train_batch_size": args.num_prompts,
             "apply_chat_template": False,
         },
-        "model": {"path": model, "enable_gradient_checkpointing": args.gradient_checkpointing},
+        "model": {
+            "path": model, "enable_gradient_checkpointing": args.gradient_checkpointing,
+            "fsdp_config": {"offload_optimizer_in_rollout": args.offload_optimizer},
+        },
         "actor": {
             "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
             "ppo_max_token_len_per_gpu": args.token_budget, "optim": {"lr": 1e-6},
@@ -137,11 +141,16 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
     from types import SimpleNamespace
 
     import actor
+    import fsdp
     import perf
     import rollout
 
     cfg = SimpleNamespace(
-        model=actor.ModelConfig(path=model, enable_gradient_checkpointing=args.gradient_checkpointing),
+        model=actor.ModelConfig(
+            path=model,
+            enable_gradient_checkpointing=args.gradient_checkpointing,
+            fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
+        ),
         actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
         rollout=rollout.RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
@@ -283,7 +292,8 @@ def main(args: argparse.Namespace) -> dict:
         "model": args.model,
         "settings": {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "response_len", "steps")}
         | {"trl_steps": args.trl_steps, "gpu_memory_utilization": args.gpu_memory_utilization,
-           "token_budget": args.token_budget, "flatrl_gradient_checkpointing": args.gradient_checkpointing},
+           "token_budget": args.token_budget, "flatrl_gradient_checkpointing": args.gradient_checkpointing,
+           "flatrl_offload_optimizer_in_rollout": args.offload_optimizer},
         "flatrl": flatrl,
         "trl": trl,
         "ratios": {
@@ -314,6 +324,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--gradient-checkpointing", action="store_true",
         help="flatrl with activation recomputation too, as the TRL run has it: the memory comparison at equal settings",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-optimizer", action="store_true",
+        help="flatrl with model.fsdp_config.offload_optimizer_in_rollout: the AdamW state off the device from the "
+        "push to the next optimizer step",
     )  # fmt: skip
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--timeout-s", type=float, default=900)
