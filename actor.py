@@ -78,9 +78,9 @@ class ActorConfig:
     old_logprobs_from_update: bool = True
     """When the update is one optimizer step over the whole batch (ppo_epochs 1, ppo_mini_batch_size = the
     step's prompts) the weights have not moved before its forward, so the old logprobs are that forward's, detached
-    (ratio 1; TRL does the same): the separate old-logprob pass then runs on the push check's samples only. Off:
-    always the full pass. ppo.py keeps the full pass when the KL is in the reward (it needs them before the
-    advantages)."""
+    (ratio 1; TRL does the same), and that forward also checks the weight push and measures the entropy: no
+    separate old-logprob pass runs. Off: always the full pass. ppo.py keeps the full pass when the KL is in the
+    reward (it needs them before the advantages) and in the critic's warm-up steps (no actor update)."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -222,9 +222,9 @@ def padded(rows: list[torch.Tensor | list[float] | float], R: int, device: torch
     return to_device(out, device)
 
 
-def mask_of(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """[S, R] float mask of S responses of these lengths."""
-    R = max(lengths, default=1)
+def mask_of(lengths: list[int], device: torch.device, R: int | None = None) -> torch.Tensor:
+    """[S, R] float mask of S responses of these lengths (R: the longest, unless given)."""
+    R = max(lengths, default=1) if R is None else R
     return to_device((torch.arange(R)[None] < torch.tensor(lengths)[:, None]).float(), device)
 
 
@@ -284,10 +284,8 @@ def compute_logprobs(
                 samples[i].ref_logprobs = lp_rows[j, :L]
                 continue
             samples[i].old_logprobs = lp_rows[j, :L]
-            if samples[i].rollout_logprobs is None:  # outside the engine's check subset
-                continue
-            engine_lp = torch.tensor(samples[i].rollout_logprobs[:L], dtype=torch.float32)
-            if engine_lp.numel() == L:  # not rl.generate's stand-in [0] for an empty response
+            if checkable(samples[i]):
+                engine_lp = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32)
                 diffs.append((raw_rows[j, :L] - engine_lp).abs())
         if ent is not None:
             ent_sum += float((ent * label_mask).sum())
@@ -295,17 +293,30 @@ def compute_logprobs(
     if ref:
         return {}
     d = torch.cat(diffs) if diffs else torch.zeros(0)
-    tokens = fsdp.all_reduce(d.numel())
-    if tokens == 0:
+    return push_check_metrics(d.sum(), d.max() if d.numel() else 0.0, d.numel()) | {
+        "actor/entropy": fsdp.all_reduce(ent_sum) / max(fsdp.all_reduce(n_tok), 1)
+    }
+
+
+def checkable(sample: Sample) -> bool:
+    """Whether the sample carries the engine's logprob of every response token: it is one of the push check's
+    (rollout.logprob_check_prompts), and not rl.generate's stand-in [0] for an empty response."""
+    return sample.rollout_logprobs is not None and len(sample.rollout_logprobs) == len(sample.response_ids)
+
+
+def push_check_metrics(diff_sum: torch.Tensor | float, diff_max: torch.Tensor | float, tokens: int) -> dict:
+    """rollout/logprob_diff_mean and _max over all ranks from this rank's sum and max of |trainer - engine| over
+    its `tokens` checked tokens (rl.check_push compares the mean to rollout.logprob_diff_tol).
+    Raises RuntimeError (on every rank) when no rank has a checked token: the weight push would go unchecked."""
+    total = fsdp.all_reduce(tokens)
+    if total == 0:
         raise RuntimeError(
             "no sample carries the engine's logprobs, so the weight push cannot be checked "
             "(rollout.logprob_check_prompts selects the prompts whose samples carry them)"
         )
-    d = d if d.numel() else torch.zeros(1)  # this rank has none: 0 for the max over ranks
     return {
-        "rollout/logprob_diff_mean": fsdp.all_reduce(float(d.sum())) / tokens,
-        "rollout/logprob_diff_max": fsdp.all_reduce(float(d.max()), "max"),
-        "actor/entropy": fsdp.all_reduce(ent_sum) / max(fsdp.all_reduce(n_tok), 1),
+        "rollout/logprob_diff_mean": fsdp.all_reduce(float(diff_sum)) / total,
+        "rollout/logprob_diff_max": fsdp.all_reduce(float(diff_max), "max"),  # a rank without any: 0
     }
 
 
@@ -351,6 +362,10 @@ def update_policy(
     Returns:
         actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, (kl_loss), grad_norm, skipped_steps: means
         over the optimizer steps (token means for the clip fractions and ppo_kl); actor/lr, the rate used.
+        When the samples carry no old logprobs (rl.make_experience left them to this forward, which then also
+        does compute_logprobs' other work): rollout/logprob_diff_mean and _max, the weight-push check over the
+        samples that carry the engine's logprobs (push_check_metrics; the caller runs rl.check_push), and
+        actor/entropy over every response token.
     """
     world = dist.get_world_size()
     sums: dict[str, torch.Tensor] = {}  # metric sums, on the device until the update ends
@@ -362,6 +377,8 @@ def update_policy(
             f"actor: samples without old logprobs, but the update takes {cfg.ppo_epochs} epoch(s) of {len(steps)} "
             "mini-batch(es): after the first optimizer step the update's own logprobs are no longer the old ones"
         )
+    check = [torch.zeros((), device=device) for _ in range(4)]  # |diff| sum, max; entropy sum, count
+    checked_tokens = 0
     for _ in range(cfg.ppo_epochs):
         for idx in steps:
             tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
@@ -371,9 +388,11 @@ def update_policy(
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
                 b = collate(samples, g, packed, pad_id, device)
-                lp, ent, _ = losses.forward_logprobs(
-                    model, b, b["labels"], temperature, with_entropy=cfg.entropy_coeff != 0
-                )
+                rows = [checkable(samples[i]) for i in g] if from_update else []  # the push check's
+                lp, ent, raw = losses.forward_logprobs(
+                    model, b, b["labels"], temperature, with_entropy=cfg.entropy_coeff != 0 or from_update,
+                    with_raw=any(rows),
+                )  # fmt: skip
                 if not g:  # keeps this rank's collectives in step with the others; contributes 0
                     (lp.sum() * 0).backward()
                     continue
@@ -381,6 +400,18 @@ def update_policy(
                 R = max(lens)
                 lp = response_matrix(lp, b["response_index"], lens)  # [S, R]
                 mask = mask_of(lens, device)  # [S, R]
+                # compute_logprobs' push check and entropy ride on this forward: no pass of their own
+                if from_update and any(rows):
+                    on = [L if r else 0 for L, r in zip(lens, rows, strict=True)]  # checked tokens a row
+                    engine = [samples[i].rollout_logprobs if on[j] else [] for j, i in enumerate(g)]
+                    diff = response_matrix(raw, b["response_index"], lens) - padded(engine, R, device)
+                    diff = diff.abs() * mask_of(on, device, R)
+                    check[0] += diff.sum()
+                    check[1] = torch.maximum(check[1], diff.max())
+                    checked_tokens += sum(on)
+                if from_update:
+                    check[2] += (response_matrix(ent.detach(), b["response_index"], lens) * mask).sum()
+                    check[3] += sum(lens)
                 old = lp.detach() if from_update else padded([samples[i].old_logprobs for i in g], R, device)
                 adv = padded([samples[i].advantages for i in g], R, device) * mask
                 pg_loss, m = losses.policy_loss(
@@ -419,6 +450,9 @@ def update_policy(
     out["actor/skipped_steps"] = guard.skipped
     out["actor/lr"] = scheduler.get_last_lr()[0]
     scheduler.step()
+    if from_update:
+        out |= push_check_metrics(check[0], check[1], checked_tokens)
+        out["actor/entropy"] = fsdp.all_reduce(float(check[2])) / max(fsdp.all_reduce(float(check[3])), 1.0)
     return out
 
 

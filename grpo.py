@@ -177,7 +177,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         step, results, _ = rl.resume(run, components, scheduler, guard)
         if rl.first_push(run, engine, policy, step, results):
             return results
-        # One optimizer step a batch: the update's forward gives the old logprobs (actor.old_logprobs_from_update).
+        # One optimizer step a batch: the update's forward gives the old logprobs and checks the push
+        # (actor.old_logprobs_from_update).
         reuse = rl.old_logprobs_from_update(cfg)
         while step < run.total_steps:
             with rl.step_timer() as timer:
@@ -188,6 +189,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                         policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed, pad_id,
                         device, norm_length=cfg.data.max_response_length,
                     )  # fmt: skip
+                if reuse:  # the update's forward compared the engine's logprobs
+                    rl.check_push(metrics, cfg.rollout, step)
                 step += 1
                 rl.push(run, engine, policy, timer, offload)
             rl.finish_step(

@@ -367,7 +367,8 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    with_raw: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The model's per-token logprob of `labels` (and entropy) on a collated batch, padded or packed.
 
     Args:
@@ -376,10 +377,16 @@ def forward_logprobs(
         labels: [B, T] next-token ids (data.shift_labels).
     Returns:
         (logprobs [B, T] of softmax(logits / temperature), entropy [B, T] or None, raw_logprobs [B, T] at
-        temperature 1 — what vLLM reports, for the weight-push check; the first tensor when temperature is 1).
+        temperature 1 — what vLLM reports, for the weight-push check; the first tensor, detached, when
+        temperature is 1; None without `with_raw` at another temperature, which spares a pass over the logits).
         All fp32; callers mask them with their label mask.
     """
     logits = model(**data.model_inputs(batch)).logits  # [B, T, V]
     lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
-    raw = lp if temperature == 1.0 else token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
+    if temperature == 1.0:
+        return lp, ent, lp.detach()
+    if not with_raw:
+        return lp, ent, None
+    with torch.no_grad():
+        raw = token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
     return lp, ent, raw

@@ -355,10 +355,14 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         if rl.first_push(run, engine, policy, step, results):
             return results
         # As grpo.py, unless the KL in the reward needs the old logprobs before the advantages.
+        # The critic's warm-up steps do not update the actor, so their old-logprob pass checks the push.
         reuse = rl.old_logprobs_from_update(cfg) and not cfg.algorithm.use_kl_in_reward
         while step < run.total_steps:
             with rl.step_timer() as timer:
-                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer, reuse)
+                from_update = reuse and step >= cfg.trainer.critic_warmup
+                prompts, samples, metrics = rl.make_experience(
+                    run, engine, policy, ref, step, timer, from_update
+                )
                 with timer("values"), rl.oom("critic values", cfg):
                     compute_values(critic, samples, cfg.critic, critic_packed, pad_id, device)
                 with timer("adv"):
@@ -376,6 +380,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                             policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed,
                             pad_id, device, norm_length=cfg.data.max_response_length,
                         )  # fmt: skip
+                    if from_update:  # the update's forward compared the engine's logprobs
+                        rl.check_push(metrics, cfg.rollout, step)
                 step += 1
                 rl.push(run, engine, policy, timer, offload)
 

@@ -414,8 +414,9 @@ def make_experience(
     old logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs. The scoring
     runs beside the two passes; timing_s/reward is what is left of it after them.
 
-    old_from_update: the old logprobs are left to the update's forward (sample.old_logprobs None): the pass here
-    covers the samples that carry the engine's logprobs alone, for the push check (actor/entropy is theirs too).
+    old_from_update: the old logprobs, the push check and actor/entropy are left to the update's forward
+    (actor.update_policy; sample.old_logprobs None), so no old-logprob pass runs here; the caller runs
+    check_push on the update's metrics.
     Returns (this rank's prompts, its samples, the step's reward and rollout metrics so far).
     """
     cfg = run.cfg
@@ -427,13 +428,11 @@ def make_experience(
     )
     prompts, mine = run.next_prompts()
     prompts, samples, finish_scoring = generate_and_start_scoring(run, engine, prompts, mine, step, timer)
-    with timer("old_logprob"), oom("old logprobs", cfg):
-        checked = [s for s in samples if s.rollout_logprobs is not None] if old_from_update else samples
-        metrics = actor.compute_logprobs(policy, checked, cfg.actor, T, packed, pad_id, device)
-        if old_from_update:
-            for s in samples:
-                s.old_logprobs = None
-    check_push(metrics, cfg.rollout, step)
+    metrics = {}
+    if not old_from_update:
+        with timer("old_logprob"), oom("old logprobs", cfg):
+            metrics = actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
+        check_push(metrics, cfg.rollout, step)
     if ref is not None:
         with timer("ref"), oom("reference logprobs", cfg):
             actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)

@@ -132,43 +132,43 @@ def _random_samples() -> list:
     return samples
 
 
-def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank, tiny_qwen2) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank, tiny_qwen2, temperature) -> None:
     """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
-    1) moves the weights as the separate old-logprob pass does; with two mini-batches it is refused."""
+    1) moves the weights as the separate old-logprob pass does, and that forward's push check (|trainer - engine|
+    at temperature 1 over the samples with the engine's logprobs) and entropy are the pass's; with two
+    mini-batches it is refused."""
     import actor
     import optim
 
     device = one_rank.device
     samples = _random_samples()
+    for i in (0, 5):  # the push check's samples: an engine that said 0 for every token
+        samples[i].rollout_logprobs = [0.0] * len(samples[i].response_ids)
     cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
-    weights = []
+    weights, checks = [], []
     for from_update in (False, True):
         model, optimizer, scheduler = _tiny_policy(tiny_qwen2, device)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
-        samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
-        actor.compute_logprobs(model, samples, cfg, 1.0, True, 0, device)
         if from_update:
             for s in samples:
                 s.old_logprobs = None
+        else:
+            checks.append(actor.compute_logprobs(model, samples, cfg, temperature, True, 0, device))
         m = actor.update_policy(
-            model,
-            optimizer,
-            scheduler,
-            optim.SkipGuard(5),
-            samples,
-            4,
-            cfg,
-            1.0,
-            True,
-            0,
-            device,
+            model, optimizer, scheduler, optim.SkipGuard(5), samples, 4, cfg, temperature, True, 0, device,
             norm_length=8,
-        )
+        )  # fmt: skip
         assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0  # ratio 1 either way
+        assert ("rollout/logprob_diff_mean" in m) == from_update
+        if from_update:
+            checks.append(m)
         weights.append([p.detach().full_tensor() for p in model.parameters()])
     moved = max(float((a - b).abs().max()) for a, b in zip(before, weights[1], strict=True))
     same = max(float((a - b).abs().max()) for a, b in zip(weights[0], weights[1], strict=True))
     assert moved > 1e-3 and same < 1e-6
+    for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "actor/entropy"):
+        assert checks[0][k] > 0.1 and abs(checks[0][k] - checks[1][k]) < 1e-5, (k, checks)
 
     two_steps = actor.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3)
     with pytest.raises(RuntimeError, match="no longer the old ones"):
