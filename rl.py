@@ -372,8 +372,8 @@ def score_in_background(
 def generate_and_start_scoring(
     run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, timer: log.Timer
 ) -> tuple[list[dict], list[actor.Sample], Callable[[], dict[str, float]]]:
-    """Generates for `prompts` (engine asleep afterwards), keeps the responses to prompts[mine], starts scoring
-    them (score_in_background).
+    """Generates for `prompts`, keeps the responses to prompts[mine], starts scoring them (score_in_background),
+    then puts the engine to sleep while they are scored.
 
     Returns (this rank's prompts, their samples with `group` indexing those prompts, the function that waits
     for their scores and returns the reward metrics).
@@ -382,12 +382,13 @@ def generate_and_start_scoring(
     seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
     with timer("gen"), oom(f"step {step + 1} generation", cfg):
         samples = generate(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
+        samples = [s for s in samples if mine.start <= s.group < mine.stop]
+        for s in samples:
+            s.group -= mine.start
+        prompts = prompts[mine]
+        finish_scoring = score_in_background(run.pool, samples, prompts, run.tokenizer)
         engine.sleep()
-    samples = [s for s in samples if mine.start <= s.group < mine.stop]
-    for s in samples:
-        s.group -= mine.start
-    prompts = prompts[mine]
-    return prompts, samples, score_in_background(run.pool, samples, prompts, run.tokenizer)
+    return prompts, samples, finish_scoring
 
 
 def old_logprobs_from_update(cfg: Any) -> bool:
