@@ -330,15 +330,17 @@ def generate(
 
 
 def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
-    """Decodes each response, scores it, stores sample.score; returns the pool's reward/errors* metrics."""
+    """Decodes the responses (in one batch: the tokenizer's Rust side, threads where TOKENIZERS_PARALLELISM
+    allows), scores them, stores sample.score; returns the pool's reward/errors* metrics."""
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     items = []
-    for s in samples:
+    for s, text in zip(samples, texts, strict=True):
         ex = prompts[s.group]
         items.append(
             dict(
                 data_source=ex["data_source"],
                 prompt=ex["raw_prompt"],
-                response=tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                response=text,
                 ground_truth=ex["ground_truth"],
                 extra_info=ex["extra_info"],
             )

@@ -149,8 +149,33 @@ def hardware() -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired, IndexError):
             out["driver"] = None
     else:
-        out |= {"gpu": None, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
-    return out
+        out["gpu"] = None
+    return out | {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "host_loop_s": host_loop_seconds()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_loop_seconds(n: int = 2_000_000) -> float:
+    """Seconds of a fixed pure-Python loop (best of 3): how fast this host runs Python, single-threaded. vLLM's
+    decode at the 0.5B shape is bound by host-side Python, so end-to-end ratios taken on different hosts differ
+    with it (H200, 2026-12-03: TRL's step took 23.5 s on one host and 30.4-35.3 s on others, same settings)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        acc = 0
+        for i in range(n):
+            acc += i & 7
+        best = min(best, time.perf_counter() - start)
+    return round(best, 4)
 
 
 def emit(result: dict[str, Any], out: str | None) -> dict[str, Any]:

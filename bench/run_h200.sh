@@ -5,6 +5,7 @@
 #   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
 #   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # 5 min measured
 #   call C (optional): ... bash bench/run_h200.sh 3   # flatrl e2e with gradient checkpointing
+#   call D (optional): ... bash bench/run_h200.sh 4   # e2e against TRL with --offload-optimizer
 # both with carry [".gpu3", ".gpu_trl"]
 #
 # A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
@@ -68,7 +69,10 @@ elif [ "$part" = 2 ]; then
 elif [ "$part" = 3 ]; then  # flatrl with gradient checkpointing, TRL's setting (2.3 min measured, 58239f2)
   run e2e-gc python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --gradient-checkpointing --skip-trl \
     --out "$OUT/e2e_gc.json"
+elif [ "$part" = 4 ]; then  # flatrl with the optimizer state off the device in the rollout, against TRL (7.5 min, 8723179)
+  run e2e-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --offload-optimizer \
+    --out "$OUT/e2e_offload.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

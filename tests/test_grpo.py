@@ -278,8 +278,8 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
             return [len(it["response"]) + saw_passes for it in items], {"reward/errors": 0}
 
     class Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return "x" * len(ids)
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["x" * len(one) for one in ids]
 
     prompts = [dict(data_source="d", raw_prompt="p", ground_truth="g", extra_info={}) for _ in range(2)]
     samples = [actor.Sample([1], [2] * (k + 1), None, "stop", k % 2) for k in range(4)]
