@@ -415,7 +415,7 @@ def make_experience(
 ) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
     """A step's experience: the next prompts, their responses and scores (generate_and_start_scoring), the policy's
     old logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs. The scoring
-    runs beside the two passes; timing_s/reward is what is left of it after them.
+    runs beside the engine's sleep and those passes; timing_s/reward is what is left of it after them.
 
     old_from_update: the old logprobs, the push check and actor/entropy are left to the update's forward
     (actor.update_policy; sample.old_logprobs None), so no old-logprob pass runs here; the caller runs

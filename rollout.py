@@ -541,7 +541,6 @@ class VLLMEngine:
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
         if self.asleep:
-            _release_cached_blocks()  # the push's gathered full tensors, freed but still cached by torch
             with deadline("wake_up(kv_cache)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
