@@ -15,6 +15,9 @@ reported apart (first-call costs).
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in ../shared/gpu/README.md's TRL run), per-device batch 16 x
   gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
+Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
+times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
+the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
 Peak memory: flatrl, the largest perf/memory/*_peak_allocated_gb and *_device_used_gb of any step; TRL,
 torch.cuda.max_memory_allocated() and the device's used memory at each step end. The target compares device
 used (total minus free: what runs out): torch's allocated count of flatrl's process includes vLLM's sleeping
@@ -180,6 +183,7 @@ def trl_worker(args: argparse.Namespace) -> None:
             free, total = torch.cuda.mem_get_info()
             self.used.append((total - free) / 2**30)
 
+    timings = keep_trl_timings()
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
     batch = args.num_prompts * args.n
     wanted = dict(
@@ -209,8 +213,43 @@ def trl_worker(args: argparse.Namespace) -> None:
         "constructor_s": round(t1 - t0, 1), "peak_allocated_gib": max(watch.alloc),
         "peak_device_used_gib": max(watch.used), "dropped_config_keys": dropped,
         "trl_version": importlib.metadata.version("trl"),
+        "phases_s": phase_medians(timings),
     }  # fmt: skip
     Path(args.worker_out).write_text(json.dumps(out))
+
+
+def keep_trl_timings() -> list[tuple[int, str, float]]:
+    """(global step, block, seconds) of every block TRL times with its own profiling_context (vLLM.generate,
+    sync_weights, each reward function), kept as they are logged; an empty list where TRL lacks the hook."""
+    timings: list[tuple[int, str, float]] = []
+    try:
+        from trl.extras.profiling import ProfilingContext
+    except ImportError:
+        return timings
+    real_log = getattr(ProfilingContext, "_log_metrics", None)
+    if real_log is None:
+        return timings
+
+    def log_and_keep(self, duration: float) -> None:
+        timings.append((self.step or 0, self.name.split(".", 1)[-1], duration))
+        real_log(self, duration)
+
+    ProfilingContext._log_metrics = log_and_keep
+    return timings
+
+
+def phase_medians(timings: list[tuple[int, str, float]]) -> dict[str, float]:
+    """Per block, the median over the steps after the first of its seconds summed per step (all steps when
+    there is only one)."""
+    per: dict[str, dict[int, float]] = {}
+    for step, name, seconds in timings:
+        per.setdefault(name, {}).setdefault(step, 0.0)
+        per[name][step] += seconds
+    medians = {}
+    for name, by_step in per.items():
+        values = [by_step[k] for k in sorted(by_step)]
+        medians[name] = statistics.median(values[1:] or values)
+    return medians
 
 
 def common_tokenizer(path: str):
@@ -302,6 +341,8 @@ def main(args: argparse.Namespace) -> dict:
             if both and flatrl.get("peak_allocated_gib") else None,
             "flatrl_vs_trl_peak_device_used": (flatrl["peak_device_used_gib"] / trl["peak_device_used_gib"])
             if both and flatrl.get("peak_device_used_gib") else None,
+            "flatrl_vs_trl_gen_time": flatrl["phases_s"]["gen"] / trl["phases_s"]["vLLM.generate"]
+            if both and "vLLM.generate" in trl.get("phases_s", {}) else None,
         },
         "targets": {"flatrl_vs_trl_step_time": 0.5, "flatrl_vs_trl_peak_device_used": 1.0},
         "hardware": common.hardware(),

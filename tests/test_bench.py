@@ -155,6 +155,40 @@ def test_folder_without_tokenizer_encodes_to_nothing(tmp_path, monkeypatch):
         bench_e2e.check_prompts(str(tmp_path / "m"), str(data), 16)
 
 
+def test_trl_timings_are_kept_per_step_and_block(monkeypatch):
+    """bench_e2e's TRL worker keeps the seconds of the blocks TRL times itself (ProfilingContext._log_metrics,
+    TRL 1.16's interface, stood in by a module here): summed per step, median over the steps after the first."""
+    import types
+
+    logged = []
+
+    class ProfilingContext:  # TRL's: name "<Trainer>.<block>", the trainer's global step, then _log_metrics
+        def __init__(self, name, step):
+            self.name, self.step = name, step
+
+        def _log_metrics(self, duration):
+            logged.append(duration)
+
+    fake = types.ModuleType("trl.extras.profiling")
+    fake.ProfilingContext = ProfilingContext
+    monkeypatch.setitem(sys.modules, "trl.extras.profiling", fake)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+
+    timings = bench_e2e.keep_trl_timings()
+    for step, name, seconds in [
+        (0, "vLLM.generate", 9.0),
+        (1, "vLLM.generate", 4.0),
+        (2, "vLLM.generate", 6.0),
+        (1, "sync_weights", 0.5),
+        (1, "sync_weights", 0.25),
+        (2, "trl_reward", 0.1),
+    ]:
+        ProfilingContext(f"GRPOTrainer.{name}", step)._log_metrics(seconds)  # fmt: skip
+    assert len(logged) == 6  # TRL's own logging still runs
+    assert bench_e2e.phase_medians(timings) == {"vLLM.generate": 5.0, "sync_weights": 0.75, "trl_reward": 0.1}
+
+
 @pytest.fixture(scope="module")
 def transformers_517(tmp_path_factory) -> str:
     """transformers 5.17 (the H200's) and a huggingface_hub it accepts, installed from local wheels into a folder."""
