@@ -61,6 +61,7 @@ import inspect
 import json
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,27 +262,35 @@ def deadline(what: str, timeout_s: float) -> Iterator[None]:
     A Timer thread calls `_thread.interrupt_main()`, which raises at the main thread's next Python bytecode (vLLM's
     engine loop and HF generate are Python loops). For a call stuck in C code (a hung collective), faulthandler's
     C watchdog dumps every stack and exits `_HARD_EXIT_GRACE_S` later. faulthandler has one process-wide deadline:
-    the block owns it.
+    the block owns it. An interrupt that the block swallowed (one landing in a finalizer is only printed) still
+    ends in the TimeoutError when the block returns; one still pending then is taken here, not left to land later.
     """
     lock, state = threading.Lock(), {"done": False, "fired": False}
 
     def fire() -> None:
-        with lock:
+        with lock:  # once the block is done no interrupt is sent; once one is sent the block reports it
             if state["done"]:
                 return
             state["fired"] = True
-        print(f"rollout: {what} still running after {timeout_s:.0f}s; interrupting", flush=True)
-        _thread.interrupt_main()
+            print(f"rollout: {what} still running after {timeout_s:.0f}s; interrupting", flush=True)
+            _thread.interrupt_main()
 
     timer = threading.Timer(timeout_s, fire)
     timer.daemon = True
     faulthandler.dump_traceback_later(timeout_s + _HARD_EXIT_GRACE_S, exit=True)
     timer.start()
+    timed_out = TimeoutError(f"rollout: {what} did not finish within timeout_s={timeout_s:.0f}s")
     try:
         yield
+        # Returned although interrupted: the interrupt was swallowed, or is still pending; a pending one lands at
+        # one of these bytecodes, and the except below takes it.
+        if state["fired"]:
+            for _ in range(100):
+                time.sleep(0)
+            raise timed_out
     except KeyboardInterrupt:
         if state["fired"]:
-            raise TimeoutError(f"rollout: {what} did not finish within timeout_s={timeout_s:.0f}s") from None
+            raise timed_out from None
         raise
     finally:
         with lock:

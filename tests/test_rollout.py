@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,19 @@ def test_hf_engine_push_logprobs_and_seeding(tiny: Path) -> None:
         engine.push_weights([("model.bogus", torch.zeros(1))])
     with pytest.raises(ValueError, match="missed"):
         engine.push_weights(list(model.named_parameters())[1:])
+
+
+def test_deadline_reports_an_interrupt_the_block_swallowed() -> None:
+    """The block outlives its deadline but catches the interrupt itself (as a finalizer does, which only prints
+    it): the deadline still raises its TimeoutError when the block returns; a block in time returns normally."""
+    with pytest.raises(TimeoutError, match="nap did not finish within"):
+        with rollout.deadline("nap", 0.05):
+            try:
+                time.sleep(5)
+            except KeyboardInterrupt:
+                pass
+    with rollout.deadline("nap", 5.0):
+        time.sleep(0.01)
 
 
 def test_deadline_raises_timeout(tiny: Path) -> None:
