@@ -1,19 +1,24 @@
-"""The policy side of an RL step, shared by grpo.py and ppo.py: its settings, the samples it trains on, the
-logprob passes and the PPO-clip update (verl's dp_actor), and the weight push into the rollout engine.
+"""The trainer side of an RL step, shared by grpo.py and ppo.py: the policy's settings and loading, the samples it
+trains on, the logprob passes, the weight-push check, a loss-agnostic update loop and the push into the engine.
 
-    policy = actor.load(cfg.model, device)                          # FSDP2-sharded Hugging Face causal LM
-    actor.compute_logprobs(policy, samples, ...)                    # old (and vLLM check) or reference logprobs
-    actor.update_policy(policy, optimizer, scheduler, guard, samples, ...)  # epochs x mini- x micro-batches
+    policy, hf_files = actor.load(cfg.model, device)                # FSDP2-sharded Hugging Face causal LM
+    actor.compute_logprobs(policy, samples, cfg.actor, layout, temperature, check)   # old logprobs, no grad
+    actor.update(policy, optimizer, guard, samples, n_prompts, cfg.actor, layout, loss_fn)  # epochs x mini x micro
     actor.push_weights(engine, policy, dtype)                       # one full parameter at a time
 
-A `Sample` is one response with everything the update needs. Its `advantages` is a float (GRPO & co.: one
-advantage for every token of the response) or a [L] tensor (PPO's GAE); `padded` turns either into [S, R].
-The batching helpers (`micro_batch_groups`, `collate`, `response_matrix`, `padded`) also serve ppo.py's critic.
+The objectives are not here: grpo.py and ppo.py each write theirs (`loss_fn(model, mb) -> (loss, metrics)`) and
+hand it to `update`, which owns only the loop: epochs x mini-batches (one optimizer step each) x micro-batches
+(one forward/backward each), the gradient-sync gating, clipping and the skip guard. ppo.py's critic uses the same
+loop with its value loss.
+
+A `Sample` is one response with everything an update needs. Its `advantages` is a float (GRPO & co.: one
+advantage for every token of the response) or a [L] tensor (PPO's GAE). A `MicroBatch` turns any per-sample
+value into [S, R] (S responses, R the longest response) with `per_token`.
 
 Micro-batches: every rank runs the same number of forward/backward passes (FSDP's collectives pair up), so a
 rank with fewer samples runs an empty pass (one pad token, no loss). Losses are normalised by the token /
-sequence counts of the whole mini-batch on all ranks (losses.agg_loss), so the split into micro-batches and
-ranks does not change the update.
+sequence counts of the whole mini-batch on all ranks (MicroBatch.global_tokens, global_seqs), so the split into
+micro-batches and ranks does not change the update.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,8 +37,6 @@ import fsdp
 import lora
 import losses
 import optim
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,15 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    """Which surrogate the policy objective uses (verl's actor.policy_loss)."""
+
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """vanilla: PPO-clip per token; gspo: a sequence-level importance ratio (GSPO, arXiv:2507.18071; grpo.py
+    only, with the mini-batch aggregated seq-mean-token-mean and verl's suggested clip ratios 3e-4 / 4e-4)."""
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy update (verl's actor_rollout_ref.actor)."""
 
@@ -86,7 +98,7 @@ class ActorConfig:
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (arXiv:1912.09729)."""
+    """Dual-clip bound for negative advantages (arXiv:1912.09729); must be > 1."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -97,12 +109,18 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a '+' suffix takes k2's gradient."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The surrogate: PPO-clip (vanilla) or GSPO."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this."""
     optim: optim.OptimConfig = field(default_factory=lambda: optim.OptimConfig(lr=1e-6))
     """Optimizer and schedule."""
+
+    def __post_init__(self) -> None:
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(f"actor.clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
 
 
 def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:
@@ -118,10 +136,10 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))
     if cfg.lora_rank > 0 and not value_head:
         wrapped = lora.apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules)
+        targets = sorted({w.rsplit(".", 1)[-1] for w in wrapped})
         hf_files["lora"] = dict(
-            rank=cfg.lora_rank, alpha=cfg.lora_alpha, base_model_name_or_path=cfg.path,
-            target_modules=sorted({w.rsplit(".", 1)[-1] for w in wrapped}),
-        )  # fmt: skip
+            rank=cfg.lora_rank, alpha=cfg.lora_alpha, base_model_name_or_path=cfg.path, target_modules=targets
+        )
     return fsdp.shard_model(model, device, cfg.fsdp_config), hf_files
 
 
@@ -133,7 +151,7 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, device: torch.devi
     return load(cfg, device)[0].eval().requires_grad_(False)
 
 
-# ------------------------------------------------------------------------------------------ samples
+# ------------------------------------------------------------------------------------- samples, batches
 
 
 @dataclass
@@ -152,22 +170,20 @@ class Sample:
     values: torch.Tensor | None = None  # [L], the critic's (ppo.py)
     returns: torch.Tensor | None = None  # [L], the critic's targets (ppo.py)
 
-
-def micro_batch_groups(
-    samples: list[Sample], idx: list[int], micro_batch_size: int, max_token_len: int | None
-) -> list[list[int]]:
-    """Splits samples[idx] into micro-batches (by count, or under a token budget when max_token_len is set);
-    every rank gets the same number of them (an all-reduce)."""
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
-    kw = dict(max_token_len=max_token_len) if max_token_len else dict(micro_batch_size=micro_batch_size)
-    n = int(fsdp.all_reduce(len(data.micro_batches(lengths, **kw)), "max"))
-    return [[idx[j] for j in g] for g in data.micro_batches(lengths, **kw, min_num=n)]
+    @property
+    def checkable(self) -> bool:
+        """Whether it carries the engine's logprob of every response token: one of the push check's samples
+        (rollout.logprob_check_prompts), and not rl.generate's stand-in [0] for an empty response."""
+        return self.rollout_logprobs is not None and len(self.rollout_logprobs) == len(self.response_ids)
 
 
-def actor_micro_batches(samples: list[Sample], idx: list[int], cfg: ActorConfig) -> list[list[int]]:
-    """micro_batch_groups with the actor's sizes."""
-    budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
-    return micro_batch_groups(samples, idx, cfg.ppo_micro_batch_size_per_gpu, budget)
+@dataclass(frozen=True)
+class Layout:
+    """How samples become model inputs on this rank: packed (padding-free) or padded rows, the pad id, the device."""
+
+    packed: bool
+    pad_id: int
+    device: torch.device
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -177,23 +193,25 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def collate(samples: list[Sample], idx: list[int], packed: bool, pad_id: int, device: torch.device) -> dict:
-    """Model inputs for samples[idx] (prompt + response, loss mask on the response); [[pad]] when empty.
+def collate(samples: list[Sample], layout: Layout) -> dict:
+    """Model inputs for the samples (prompt + response, loss mask on the response); [[pad]] when empty.
 
     Also `labels` and `label_mask` [B, T] (data.shift_labels) and `response_index` [M], the flat row-major
     positions of the labelled tokens (response_matrix). All built on the host and copied without a device sync;
     `max_seqlen` stays on the host, where data.model_inputs reads it.
     """
-    if not idx:
-        seqs, masks = [[pad_id]], [[0]]
+    if not samples:
+        seqs, masks = [[layout.pad_id]], [[0]]
     else:
-        seqs = [samples[i].prompt_ids + samples[i].response_ids for i in idx]
-        masks = [[0] * len(samples[i].prompt_ids) + [1] * len(samples[i].response_ids) for i in idx]
-    dense = None if device.type == "cuda" else torch.bool  # GPU: no N x N mask (varlen attention)
-    b = data.pack_batch(seqs, masks, mask_dtype=dense) if packed else data.pad_batch(seqs, masks, pad_id)
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
+    if layout.packed:  # GPU: no N x N mask (varlen attention)
+        b = data.pack_batch(seqs, masks, mask_dtype=None if layout.device.type == "cuda" else torch.bool)
+    else:
+        b = data.pad_batch(seqs, masks, layout.pad_id)
     b["labels"], b["label_mask"] = data.shift_labels(b)
     b["response_index"] = b["label_mask"].reshape(-1).nonzero().reshape(-1)
-    return {k: v if k == "max_seqlen" else to_device(v, device) for k, v in b.items()}
+    return {k: v if k == "max_seqlen" else to_device(v, layout.device) for k, v in b.items()}
 
 
 def response_matrix(values: torch.Tensor, index: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -228,24 +246,134 @@ def mask_of(lengths: list[int], device: torch.device, R: int | None = None) -> t
     return to_device((torch.arange(R)[None] < torch.tensor(lengths)[:, None]).float(), device)
 
 
+@dataclass
+class MicroBatch:
+    """One forward/backward's samples, their model inputs and response mask, and the token and sequence counts of
+    the mini-batch they belong to (all micro-batches, all ranks), which losses and metrics normalise by."""
+
+    samples: list[Sample]
+    inputs: dict  # collate's
+    lengths: list[int]  # response lengths
+    mask: torch.Tensor  # [S, R]
+    global_tokens: float = 0.0
+    global_seqs: float = 0.0
+
+    @classmethod
+    def of(cls, samples: list[Sample], layout: Layout, global_tokens: float = 0.0, global_seqs: float = 0.0):
+        lengths = [len(s.response_ids) for s in samples]
+        mask = mask_of(lengths, layout.device)
+        return cls(samples, collate(samples, layout), lengths, mask, global_tokens, global_seqs)
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        """The model's per-token [B, T] values at the response positions, as [S, R]."""
+        return response_matrix(values, self.inputs["response_index"], self.lengths)
+
+    def per_token(self, name: str) -> torch.Tensor | None:
+        """The samples' `name` as [S, R] (a float broadcast over its response, a [L] tensor right-padded), or None
+        when they carry none (e.g. old_logprobs left to the update's own forward)."""
+        values = [getattr(s, name) for s in self.samples]
+        if any(v is None for v in values):
+            return None
+        return padded(values, self.mask.shape[1], self.mask.device) * self.mask
+
+    def token_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the mini-batch's token mean of x [S, R] (the shares sum to the mean)."""
+        return losses.agg_loss(x.detach(), self.mask, "token-mean", global_tokens=self.global_tokens)
+
+
 # ------------------------------------------------------------------------------------------- passes
 
 
-def in_train_mode(update: Callable[..., T]) -> Callable[..., T]:
-    """Decorates an update whose first argument is the model: train mode while it runs, eval mode after (also
-    on an exception), as verl's dp_actor. from_pretrained returns a model in eval mode, and Hugging Face decoder
-    layers recompute activations (model.enable_gradient_checkpointing) only when `self.training`; the no-grad
-    passes (compute_logprobs, ppo.compute_values) run in eval mode."""
+class PushCheck:
+    """Is the engine running the trained weights? The mean and max |trainer - engine| logprob at temperature 1 over
+    every token of the samples that carry the engine's logprobs (rollout.logprob_check_prompts), and the policy's
+    entropy over every response token (actor/entropy, at the sampling temperature).
 
-    @functools.wraps(update)
-    def wrapper(model: torch.nn.Module, *args, **kwargs) -> T:
-        model.train()
-        try:
-            return update(model, *args, **kwargs)
-        finally:
-            model.eval()
+    Measured on a forward that runs anyway: the old-logprob pass, or the update's own forward when that gives
+    the old logprobs (`forward(check=...)`). Sums stay on the device; `result` syncs once.
+    """
 
-    return wrapper
+    def __init__(self, device: torch.device) -> None:
+        zero = lambda: torch.zeros((), device=device)  # noqa: E731
+        self.diff_sum, self.diff_max, self.entropy_sum = zero(), zero(), zero()
+        self.tokens = self.entropy_tokens = 0
+
+    def add(self, mb: MicroBatch, raw: torch.Tensor | None, entropy: torch.Tensor) -> None:
+        """Records one micro-batch: raw [S, R] the trainer's temperature-1 logprobs (None when no sample of it
+        carries the engine's), entropy [S, R]."""
+        if raw is not None:
+            on = [
+                L if s.checkable else 0 for L, s in zip(mb.lengths, mb.samples, strict=True)
+            ]  # checked tokens
+            R = raw.shape[1]
+            engine = padded([s.rollout_logprobs if s.checkable else [] for s in mb.samples], R, raw.device)
+            diff = (raw.detach() - engine).abs() * mask_of(on, raw.device, R)  # [S, R]
+            self.diff_sum += diff.sum()
+            self.diff_max = torch.maximum(self.diff_max, diff.max())
+            self.tokens += sum(on)
+        self.entropy_sum += (entropy.detach() * mb.mask).sum()
+        self.entropy_tokens += sum(mb.lengths)
+
+    def result(self, tol: float, step: int) -> dict[str, float]:
+        """rollout/logprob_diff_mean and _max, actor/entropy over all ranks (collective).
+
+        Raises RuntimeError (on every rank) when the mean exceeds `tol` (rollout.logprob_diff_tol) or is NaN: the
+        engine is not running the trained weights; or when no rank checked a token: the push went unchecked.
+        """
+        tokens = fsdp.all_reduce(self.tokens)
+        if tokens == 0:
+            raise RuntimeError(
+                "no sample carries the engine's logprobs, so the weight push cannot be checked "
+                "(rollout.logprob_check_prompts selects the prompts whose samples carry them)"
+            )
+        mean = fsdp.all_reduce(float(self.diff_sum)) / tokens
+        if not mean <= tol:
+            raise RuntimeError(
+                f"step {step + 1}: vLLM's logprobs differ from the trainer's by {mean:.4f} on average (> "
+                f"rollout.logprob_diff_tol={tol}): the engine is not running the trained weights"
+            )
+        return {
+            "rollout/logprob_diff_mean": mean,
+            "rollout/logprob_diff_max": fsdp.all_reduce(float(self.diff_max), "max"),
+            "actor/entropy": fsdp.all_reduce(float(self.entropy_sum))
+            / max(fsdp.all_reduce(self.entropy_tokens), 1),
+        }
+
+
+def forward(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    check: PushCheck | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The policy's per-token logprobs [S, R] of mb's responses at `temperature` (differentiable, fp32), and their
+    entropies [S, R] when asked for (or None). With `check`, this forward also feeds the push check."""
+    raw_needed = check is not None and any(s.checkable for s in mb.samples)
+    lp, ent, raw = losses.forward_logprobs(
+        model,
+        mb.inputs,
+        mb.inputs["labels"],
+        temperature,
+        with_entropy or check is not None,
+        with_raw=raw_needed,
+    )
+    lp, ent = mb.rows(lp), None if ent is None else mb.rows(ent)
+    if check is not None:
+        check.add(mb, mb.rows(raw) if raw_needed else None, ent)
+    return lp, ent
+
+
+def micro_batches(samples: list[Sample], idx: list[int], cfg: Any) -> list[list[int]]:
+    """Splits samples[idx] into micro-batches with cfg's sizes (ActorConfig or ppo.CriticConfig: by count, or under
+    a token budget with use_dynamic_bsz); every rank gets the same number of them (an all-reduce)."""
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
+    if cfg.use_dynamic_bsz:
+        kw = dict(max_token_len=cfg.ppo_max_token_len_per_gpu)
+    else:
+        kw = dict(micro_batch_size=cfg.ppo_micro_batch_size_per_gpu)
+    n = int(fsdp.all_reduce(len(data.micro_batches(lengths, **kw)), "max"))
+    return [[idx[j] for j in g] for g in data.micro_batches(lengths, **kw, min_num=n)]
 
 
 @torch.no_grad()
@@ -253,71 +381,20 @@ def compute_logprobs(
     model: torch.nn.Module,
     samples: list[Sample],
     cfg: ActorConfig,
+    layout: Layout,
     temperature: float,
-    packed: bool,
-    pad_id: int,
-    device: torch.device,
+    check: PushCheck | None = None,
     ref: bool = False,
-) -> dict[str, float]:
-    """Fills sample.old_logprobs (and compares the engine's logprobs, measures entropy) or, with ref=True,
-    sample.ref_logprobs (with any LoRA adapters of `model` off: the base model is the reference). No grad.
-
-    Returns (not ref): rollout/logprob_diff_mean, rollout/logprob_diff_max (|trainer - engine| at temperature
-    1, over every sampled token of the samples that carry the engine's logprobs, all ranks), actor/entropy
-    (token mean at the sampling temperature).
-    Raises RuntimeError (on every rank) when no sample of any rank carries the engine's logprobs: the weight
-    push would go unchecked.
-    """
+) -> None:
+    """Sets sample.old_logprobs (with `check`: also feeds the push check) or, with ref=True, sample.ref_logprobs
+    (with any LoRA adapters of `model` off: the base model is the reference), [L] on the host. Eval mode, no grad."""
     model.eval()
-    diffs, ent_sum, n_tok = [], 0.0, 0
-    for g in actor_micro_batches(samples, list(range(len(samples))), cfg):
-        b = collate(samples, g, packed, pad_id, device)
-        label_mask = b["label_mask"]
+    for g in micro_batches(samples, list(range(len(samples))), cfg):
+        mb = MicroBatch.of([samples[i] for i in g], layout)
         with lora.disabled(model) if ref else contextlib.nullcontext():
-            lp, ent, raw = losses.forward_logprobs(model, b, b["labels"], temperature, with_entropy=not ref)
-        lens = [len(samples[i].response_ids) for i in g]
-        lp_rows = response_matrix(lp, b["response_index"], lens).cpu()  # [S, R]
-        raw_rows = response_matrix(raw, b["response_index"], lens).cpu()
-        for j, i in enumerate(g):
-            L = lens[j]
-            if ref:
-                samples[i].ref_logprobs = lp_rows[j, :L]
-                continue
-            samples[i].old_logprobs = lp_rows[j, :L]
-            if checkable(samples[i]):
-                engine_lp = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32)
-                diffs.append((raw_rows[j, :L] - engine_lp).abs())
-        if ent is not None:
-            ent_sum += float((ent * label_mask).sum())
-            n_tok += int(label_mask.sum())
-    if ref:
-        return {}
-    d = torch.cat(diffs) if diffs else torch.zeros(0)
-    return push_check_metrics(d.sum(), d.max() if d.numel() else 0.0, d.numel()) | {
-        "actor/entropy": fsdp.all_reduce(ent_sum) / max(fsdp.all_reduce(n_tok), 1)
-    }
-
-
-def checkable(sample: Sample) -> bool:
-    """Whether the sample carries the engine's logprob of every response token: it is one of the push check's
-    (rollout.logprob_check_prompts), and not rl.generate's stand-in [0] for an empty response."""
-    return sample.rollout_logprobs is not None and len(sample.rollout_logprobs) == len(sample.response_ids)
-
-
-def push_check_metrics(diff_sum: torch.Tensor | float, diff_max: torch.Tensor | float, tokens: int) -> dict:
-    """rollout/logprob_diff_mean and _max over all ranks from this rank's sum and max of |trainer - engine| over
-    its `tokens` checked tokens (rl.check_push compares the mean to rollout.logprob_diff_tol).
-    Raises RuntimeError (on every rank) when no rank has a checked token: the weight push would go unchecked."""
-    total = fsdp.all_reduce(tokens)
-    if total == 0:
-        raise RuntimeError(
-            "no sample carries the engine's logprobs, so the weight push cannot be checked "
-            "(rollout.logprob_check_prompts selects the prompts whose samples carry them)"
-        )
-    return {
-        "rollout/logprob_diff_mean": fsdp.all_reduce(float(diff_sum)) / total,
-        "rollout/logprob_diff_max": fsdp.all_reduce(float(diff_max), "max"),  # a rank without any: 0
-    }
+            lp = forward(model, mb, temperature, check=check)[0].cpu()  # [S, R]
+        for j, s in enumerate(mb.samples):
+            setattr(s, "ref_logprobs" if ref else "old_logprobs", lp[j, : mb.lengths[j]])
 
 
 def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) -> list[list[int]]:
@@ -338,122 +415,90 @@ def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) ->
     ]
 
 
+def one_optimizer_step(cfg: ActorConfig, train_batch_size: int) -> bool:
+    """Whether the update is one optimizer step over the whole batch (ppo_epochs 1, one mini-batch of all the
+    step's prompts) with cfg.old_logprobs_from_update: its forward then sees the weights that sampled, so it gives
+    the old logprobs and no separate pass runs."""
+    return (
+        cfg.old_logprobs_from_update and cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == train_batch_size
+    )
+
+
+def in_train_mode(update: Callable[..., dict]) -> Callable[..., dict]:
+    """Decorates an update whose first argument is the model: train mode while it runs, eval mode after (also
+    on an exception), as verl's dp_actor. from_pretrained returns a model in eval mode, and Hugging Face decoder
+    layers recompute activations (model.enable_gradient_checkpointing) only when `self.training`; the no-grad
+    passes (compute_logprobs, ppo.compute_values) run in eval mode."""
+
+    @functools.wraps(update)
+    def wrapper(model: torch.nn.Module, *args, **kwargs) -> dict:
+        model.train()
+        try:
+            return update(model, *args, **kwargs)
+        finally:
+            model.eval()
+
+    return wrapper
+
+
+LossFn = Callable[[torch.nn.Module, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""An objective: (model, micro-batch) -> (loss, metrics). The loss is this micro-batch's share of the mini-batch's
+loss (normalised by mb.global_tokens / global_seqs), each metric a detached 0-dim tensor, likewise its share (e.g.
+mb.token_mean), so that summing over micro-batches and ranks gives the mini-batch's value."""
+
+
 @in_train_mode
-def update_policy(
+def update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     guard: optim.SkipGuard,
     samples: list[Sample],
     n_prompts: int,
-    cfg: ActorConfig,
-    temperature: float,
-    packed: bool,
-    pad_id: int,
-    device: torch.device,
-    norm_length: int,
+    cfg: Any,
+    layout: Layout,
+    loss_fn: LossFn,
+    prefix: str = "actor/",
 ) -> dict[str, float]:
-    """`cfg.ppo_epochs` passes of PPO-clip (+ KL loss, - entropy bonus) over mini-batches of this rank's samples,
-    at the scheduler's learning rate, which then advances one step.
+    """`cfg.ppo_epochs` passes over mini-batches of this rank's samples, one optimizer step each (when the guard
+    lets it: a NaN/inf loss or gradient norm skips it), minimising `loss_fn` summed over the micro-batches.
 
     Args:
         n_prompts: prompts of this rank's share (sample.group < n_prompts).
-        norm_length: seq-mean-token-sum-norm's constant divisor (the max response length).
+        cfg: ActorConfig or ppo.CriticConfig: ppo_epochs, ppo_mini_batch_size, the micro-batch sizes, grad_clip.
     Returns:
-        actor/pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, (kl_loss), grad_norm, skipped_steps: means
-        over the optimizer steps (token means for the clip fractions and ppo_kl); actor/lr, the rate used.
-        When the samples carry no old logprobs (rl.make_experience left them to this forward, which then also
-        does compute_logprobs' other work): rollout/logprob_diff_mean and _max, the weight-push check over the
-        samples that carry the engine's logprobs (push_check_metrics; the caller runs rl.check_push), and
-        actor/entropy over every response token.
+        loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks.
     """
     world = dist.get_world_size()
-    sums: dict[str, torch.Tensor] = {}  # metric sums, on the device until the update ends
+    sums: dict[str, torch.Tensor] = {}  # metric sums, device tensors until the update ends (no sync per pass)
     grad_norms = []
-    steps = mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size)
-    from_update = any(s.old_logprobs is None for s in samples)  # rl.make_experience left them to this forward
-    if from_update and (cfg.ppo_epochs != 1 or len(steps) != 1):
-        raise RuntimeError(
-            f"actor: samples without old logprobs, but the update takes {cfg.ppo_epochs} epoch(s) of {len(steps)} "
-            "mini-batch(es): after the first optimizer step the update's own logprobs are no longer the old ones"
-        )
-    check = [torch.zeros((), device=device) for _ in range(4)]  # |diff| sum, max; entropy sum, count
-    checked_tokens = 0
     for _ in range(cfg.ppo_epochs):
-        for idx in steps:
+        for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size):
             tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
-            norm = dict(global_tokens=tokens, global_seqs=fsdp.all_reduce(len(idx)), norm_length=norm_length)
-            groups = actor_micro_batches(samples, idx, cfg)
+            seqs = fsdp.all_reduce(len(idx))
+            groups = micro_batches(samples, idx, cfg)
             loss_sum = 0.0
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
-                b = collate(samples, g, packed, pad_id, device)
-                rows = [checkable(samples[i]) for i in g] if from_update else []  # the push check's
-                lp, ent, raw = losses.forward_logprobs(
-                    model, b, b["labels"], temperature, with_entropy=cfg.entropy_coeff != 0 or from_update,
-                    with_raw=any(rows),
-                )  # fmt: skip
-                if not g:  # keeps this rank's collectives in step with the others; contributes 0
-                    (lp.sum() * 0).backward()
+                mb = MicroBatch.of([samples[i] for i in g], layout, tokens, seqs)
+                if (
+                    not g
+                ):  # this rank ran out of samples: an empty pass keeps FSDP's collectives paired; adds 0
+                    (model(**data.model_inputs(mb.inputs)).logits.sum() * 0).backward()
                     continue
-                lens = [len(samples[i].response_ids) for i in g]
-                R = max(lens)
-                lp = response_matrix(lp, b["response_index"], lens)  # [S, R]
-                mask = mask_of(lens, device)  # [S, R]
-                # compute_logprobs' push check and entropy ride on this forward: no pass of their own
-                if from_update and any(rows):
-                    on = [L if r else 0 for L, r in zip(lens, rows, strict=True)]  # checked tokens a row
-                    engine = [samples[i].rollout_logprobs if on[j] else [] for j, i in enumerate(g)]
-                    diff = response_matrix(raw, b["response_index"], lens) - padded(engine, R, device)
-                    diff = diff.abs() * mask_of(on, device, R)
-                    check[0] += diff.sum()
-                    check[1] = torch.maximum(check[1], diff.max())
-                    checked_tokens += sum(on)
-                if from_update:
-                    check[2] += (response_matrix(ent.detach(), b["response_index"], lens) * mask).sum()
-                    check[3] += sum(lens)
-                old = lp.detach() if from_update else padded([samples[i].old_logprobs for i in g], R, device)
-                adv = padded([samples[i].advantages for i in g], R, device) * mask
-                pg_loss, m = losses.policy_loss(
-                    lp, old, adv, mask, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                    cfg.loss_agg_mode, **norm,
-                )  # fmt: skip
-                loss = pg_loss
-                # Metrics stay device tensors until the mini-batch ends: no sync per micro-batch.
-                share = sum(lens) / tokens  # this micro-batch's weight in token-mean metrics
-                acc = {"actor/pg_loss": pg_loss.detach()} | {f"actor/{k}": v * share for k, v in m.items()}
-                if cfg.use_kl_loss:
-                    ref = padded([samples[i].ref_logprobs for i in g], R, device)
-                    kl = losses.agg_loss(
-                        losses.kl_penalty(lp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode, **norm
-                    )
-                    loss = loss + cfg.kl_loss_coef * kl
-                    acc["actor/kl_loss"] = kl.detach()
-                if cfg.entropy_coeff != 0:
-                    entropy = losses.agg_loss(
-                        response_matrix(ent, b["response_index"], lens), mask, cfg.loss_agg_mode, **norm
-                    )
-                    loss = loss - cfg.entropy_coeff * entropy
-                # FSDP averages gradients over ranks; each rank's loss is its share of the global mean.
-                (loss * world).backward()
+                loss, metrics = loss_fn(model, mb)
+                (loss * world).backward()  # FSDP averages gradients over ranks; each rank's loss is its share
                 loss_sum = loss_sum + loss.detach()
-                for k, v in acc.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                for name, v in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + v
             grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
-            # global numbers: all ranks agree
-            if guard.take_step(fsdp.all_reduce(float(loss_sum)), grad_norm):
+            if guard.take_step(
+                fsdp.all_reduce(float(loss_sum)), grad_norm
+            ):  # global numbers: all ranks agree
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    out = {k: fsdp.all_reduce(float(v)) / len(grad_norms) for k, v in sums.items()}
-    out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["actor/skipped_steps"] = guard.skipped
-    out["actor/lr"] = scheduler.get_last_lr()[0]
-    scheduler.step()
-    if from_update:
-        out |= push_check_metrics(check[0], check[1], checked_tokens)
-        out["actor/entropy"] = fsdp.all_reduce(float(check[2])) / max(fsdp.all_reduce(float(check[3])), 1.0)
-    return out
+    out = {name: fsdp.all_reduce(float(v)) / len(grad_norms) for name, v in sums.items()}
+    return out | {f"{prefix}grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
 def push_weights(engine, model: torch.nn.Module, dtype: torch.dtype) -> None:

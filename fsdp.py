@@ -24,7 +24,9 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,6 +113,36 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
         )
         _timeout_s = timeout_s
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+_stop_signal = 0  # the signal that asked this process to stop at the next step boundary (0: none)
+
+
+def stop_at_step_boundary_on_sigterm() -> None:
+    """SIGTERM, which schedulers send before they kill a job, no longer ends this process at once: it is noted,
+    and `stop_requested` tells the trainer at the end of the step, which then saves a checkpoint and exits
+    (sft.py, grpo.py, ppo.py). A second SIGTERM ends the process at once. SIGINT keeps Python's default (the
+    rollout watchdog, rollout.deadline, interrupts through it)."""
+
+    def note(signum: int, frame: Any) -> None:
+        global _stop_signal
+        if _stop_signal:  # asked twice: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        _stop_signal = signum
+        print(
+            f"rank {os.environ.get('RANK', 0)}: signal {signum}: stopping after this step's checkpoint",
+            flush=True,
+        )
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, note)
+
+
+def stop_requested() -> int:
+    """The signal any rank received since `stop_at_step_boundary_on_sigterm` (0 if none): every rank learns it at
+    the same step (a max all-reduce), so they save and stop together."""
+    return int(all_reduce(float(_stop_signal), "max"))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -1,14 +1,19 @@
 """grpo.py: GRPO (and Dr. GRPO, RLOO, REINFORCE++) with colocated vLLM rollout, sharded with FSDP2.
 
-Every rank holds a shard of the policy (FSDP2) and a whole vLLM engine on the same device. One step:
-  1. each rank generates `rollout.n` responses for its share of `data.train_batch_size` prompts;
-  2. rewards are scored in a process pool (reward.py), by the row's data_source or a custom function;
-  3. advantages per prompt group (`algorithm.adv_estimator`);
-  4. the trainer recomputes old logprobs (and checks them against vLLM's: rollout/logprob_diff_*), and the
-     frozen reference model's logprobs when a KL loss is on; when step 5 is a single optimizer step, the
-     old logprobs are its own forward's, detached, and this pass covers the checked samples only;
-  5. `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, PPO-clip loss;
-  6. the new weights are gathered one parameter at a time and pushed into every rank's engine.
+Every rank holds a shard of the policy (FSDP2) and a whole vLLM engine on the same device. One step (main's loop,
+in this order):
+  1. prompts: this rank's share of `data.train_batch_size`;
+  2. generate: `rollout.n` responses to each, from this rank's engine;
+  3. score: the reward workers (reward.py) score them in the background while the engine sleeps and the
+     logprob passes run;
+  4. logprob passes: the old logprobs only when the update takes several optimizer steps (else its own forward
+     gives them, detached, as TRL does), the frozen reference's when a KL loss is on;
+  5. advantages per prompt group (`algorithm.adv_estimator`, below);
+  6. update: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, minimising
+     `policy_loss` (below: PPO-clip + KL to the reference - entropy bonus); the forward that first sees the
+     sampled tokens also checks that the engine ran the trainer's weights (actor.PushCheck);
+  7. push: the new weights are gathered one parameter at a time into every rank's engine;
+  8. validate / log / save when due.
 
 Launch (the defaults run the offline toy task that `python toy.py --out runs/toy` and sft.py produce):
     python grpo.py --config configs/grpo_toy.yaml
@@ -21,22 +26,21 @@ Estimators (`algorithm.adv_estimator`), per prompt group of n scores s_i:
     rloo                 s_i - mean of the others           arXiv:2402.14740
     reinforce_plus_plus  s_i whitened over the whole batch  arXiv:2501.03262 (outcome reward, gamma = 1)
 
-The policy update (PPO-clip, KL loss, entropy bonus, micro-batching) is actor.py's, shared with ppo.py; the loop's
-plumbing (data, rollouts, rewards, validation, checkpoints) is rl.py's. This file holds GRPO's own part: the
-advantage estimators and the order of the phases.
+The objective is `policy_loss`, and nothing else in the repo owns it: `actor.policy_loss.loss_mode=gspo` swaps in
+GSPO's sequence-level ratio (`gspo_surrogate`), written here alone; a CISPO or DAPO fork edits these functions.
 
 Where it deviates from verl's ray_trainer + dp_actor:
 1. No Ray: one process per GPU under torchrun, each with its own engine (verl's colocated "hybrid engine").
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
 3. The KL-in-reward path (`algorithm.use_kl_in_reward`) belongs to ppo.py; here the KL is a loss term.
-4. Old logprobs are always recomputed by the trainer (verl can reuse rollout logprobs); vLLM's are only
-   used to prove the weight push, so vLLM returns them for a few prompts per call only
-   (rollout.logprob_check_prompts).
+4. vLLM's logprobs prove the weight push and are not used in the loss, so vLLM returns them for a few
+   prompts per call only (rollout.logprob_check_prompts).
 5. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,6 +49,7 @@ import torch
 import actor
 import config
 import fsdp
+import losses
 import optim
 import rl
 import rollout
@@ -66,14 +71,14 @@ class AlgorithmConfig:
 class GRPOConfig:
     """GRPO with colocated vLLM rollout and FSDP2 (see the module docstring)."""
 
-    data: rl.DataConfig = field(default_factory=rl.DataConfig)
+    data: rl.RLDataConfig = field(default_factory=rl.RLDataConfig)
     model: actor.ModelConfig = field(default_factory=actor.ModelConfig)
     actor: actor.ActorConfig = field(default_factory=actor.ActorConfig)
     rollout: rollout.RolloutConfig = field(default_factory=rollout.RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     custom_reward_function: rl.RewardConfig = field(default_factory=rl.RewardConfig)
-    trainer: rl.TrainerConfig = field(
-        default_factory=lambda: rl.TrainerConfig(default_local_dir="runs/grpo", experiment_name="grpo")
+    trainer: rl.RLTrainerConfig = field(
+        default_factory=lambda: rl.RLTrainerConfig(default_local_dir="runs/grpo", experiment_name="grpo")
     )
 
 
@@ -124,18 +129,17 @@ def whiten_by_tokens(
     total: (tokens, sum, sum of squares) over the whole batch on all ranks; None: this batch alone.
     """
     w = lengths.double()
-    n, s1, s2 = (
-        total
-        if total is not None
-        else (w.sum().item(), (w * scores).sum().item(), (w * scores**2).sum().item())
-    )
+    if total is None:
+        total = (w.sum().item(), (w * scores).sum().item(), (w * scores**2).sum().item())
+    n, s1, s2 = total
     mean = s1 / n
     var = (s2 - n * mean**2) / max(n - 1, 1)  # unbiased, as verl's masked_whiten
     return ((scores.double() - mean) / (var + 1e-8) ** 0.5).float()
 
 
 def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> None:
-    """Sets sample.advantages (one number per response) from the scores, per prompt group (whitened over all ranks for REINFORCE++)."""
+    """Sets sample.advantages (one number per response) from the scores, per prompt group (whitened over all
+    ranks for REINFORCE++)."""
     scores = torch.tensor([s.score for s in samples])  # [B]
     groups = torch.tensor([s.group for s in samples])  # [B]
     if cfg.adv_estimator == "grpo":
@@ -143,60 +147,142 @@ def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> Non
     elif cfg.adv_estimator == "rloo":
         adv = rloo_advantages(scores, groups)
     else:
-        lengths = torch.tensor([len(s.response_ids) for s in samples]).double()
-        total = (
-            fsdp.all_reduce(lengths.sum().item()),
-            fsdp.all_reduce((lengths * scores).sum().item()),
-            fsdp.all_reduce((lengths * scores**2).sum().item()),
-        )
-        adv = whiten_by_tokens(scores, lengths, total)
+        lengths = torch.tensor([len(s.response_ids) for s in samples]).double()  # [B]
+        sums = (lengths.sum(), (lengths * scores).sum(), (lengths * scores**2).sum())
+        adv = whiten_by_tokens(scores, lengths, tuple(fsdp.all_reduce(x.item()) for x in sums))
     for s, a in zip(samples, adv.tolist(), strict=True):
         s.advantages = a
+
+
+# ----------------------------------------------------------------------------------------- objective
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: actor.ActorConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-clip per token with clip-higher (DAPO) and dual clip (arXiv:1912.09729), as verl's
+    compute_policy_loss_vanilla. All [S, R]; r = exp(clamp(logprobs - old_logprobs, -20, 20)):
+        l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high));  if A < 0: l = min(l, -A clip_ratio_c)
+    Returns (l, where the clipped term won, where the dual clip bound), all [S, R]."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [S, R]
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = -advantages * cfg.clip_ratio_c  # caps the loss of a negative-advantage token with a huge ratio
+    is_dual = (loss > dual) & (advantages < 0)
+    return torch.where(is_dual, dual, loss), clipped > unclipped, is_dual
+
+
+def gspo_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (arXiv:2507.18071, as verl's compute_policy_loss_gspo): one importance ratio a sequence, the geometric
+    mean of its tokens' ratios, s = exp(mean_t(logprobs - old_logprobs)), clipped PPO-style:
+        l_t = max(-A s_t, -A clip(s_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),  s_t = sg(s) pi_t / sg(pi_t)
+    so every token carries its sequence's ratio and its own gradient. All [S, R]; returns (l, clipped)."""
+    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [S]
+    log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]  # [S, R], the sequence's value
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def policy_loss(
+    model: torch.nn.Module, mb: actor.MicroBatch, cfg: GRPOConfig, check: actor.PushCheck | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO's objective on one micro-batch (an actor.LossFn): PPO-clip (or GSPO) + kl_loss_coef * KL(policy ||
+    reference) - entropy_coeff * entropy, each aggregated by actor.loss_agg_mode over the whole mini-batch."""
+    a, temperature = cfg.actor, cfg.rollout.temperature
+    logprobs, entropy = actor.forward(model, mb, temperature, a.entropy_coeff != 0, check)  # [S, R]
+    old = mb.per_token("old_logprobs")
+    old = logprobs.detach() if old is None else old  # one optimizer step a batch: this forward's, ratio 1
+    adv = mb.per_token("advantages")  # [S, R]
+    norm = dict(
+        global_tokens=mb.global_tokens, global_seqs=mb.global_seqs, norm_length=cfg.data.max_response_length
+    )
+    agg = lambda x, mode=a.loss_agg_mode: losses.agg_loss(x, mb.mask, mode, **norm)  # noqa: E731
+    if a.policy_loss.loss_mode == "gspo":  # a sequence-level objective: every sequence weighs the same (verl)
+        pg, clipped = gspo_surrogate(logprobs, old, adv, mb.mask, a)
+        loss = pg_loss = agg(pg, "seq-mean-token-mean")
+        dual = torch.zeros_like(clipped)
+    else:
+        pg, clipped, dual = clipped_surrogate(logprobs, old, adv, a)
+        loss = pg_loss = agg(pg)
+    metrics = {
+        "actor/pg_loss": pg_loss.detach(),
+        "actor/pg_clipfrac": mb.token_mean(clipped.float()),
+        "actor/pg_clipfrac_lower": mb.token_mean(dual.float()),
+        "actor/ppo_kl": mb.token_mean(old - logprobs),
+    }
+    if a.use_kl_loss:
+        kl = agg(losses.kl_penalty(logprobs, mb.per_token("ref_logprobs"), a.kl_loss_type))
+        loss = loss + a.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl.detach()
+    if a.entropy_coeff != 0:
+        loss = loss - a.entropy_coeff * agg(entropy)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------- loop
 
 
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     run = rl.start(cfg)
-    device, pad_id, T, packed = (
-        run.dist.device,
-        run.pad_id,
-        cfg.rollout.temperature,
-        cfg.model.use_remove_padding,
-    )
-    policy, hf_files = actor.load(cfg.model, device)
+    temperature = cfg.rollout.temperature
+    policy, hf_files = actor.load(cfg.model, run.dist.device)
     ref = None
     if cfg.actor.use_kl_loss and not cfg.trainer.val_only:
-        ref = actor.load_reference(cfg.model, policy, device)
+        ref = actor.load_reference(cfg.model, policy, run.dist.device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
     offload = rl.offloads(cfg, optimizer)
     components = {"": (policy, optimizer, hf_files)}
+    one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size)  # no old-logprob pass
     engine = None
     try:
         engine = rl.make_engine(cfg, run)
         step, results, _ = rl.resume(run, components, scheduler, guard)
-        if rl.first_push(run, engine, policy, step, results):
+        if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
             return results
-        # One optimizer step a batch: the update's forward gives the old logprobs and checks the push
-        # (actor.old_logprobs_from_update).
-        reuse = rl.old_logprobs_from_update(cfg)
         while step < run.total_steps:
-            with rl.step_timer() as timer:
-                prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer, reuse)
+            with rl.step_timer(cfg) as timer:
+                # 1-2. prompts, and rollout.n responses to each
+                prompts, mine = run.next_prompts()  # the engine's prompts; this rank trains on prompts[mine]
+                with timer("gen"):
+                    samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                # 3. scores, in the reward workers while the engine sleeps and the passes below run
+                scores = rl.score_in_background(run, samples, prompts)
+                engine.sleep()  # frees the KV cache (and weights) for the trainer
+                # 4. logprob passes
+                check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
+                if not one_step:
+                    with timer("old_logprob"):
+                        actor.compute_logprobs(policy, samples, cfg.actor, run.layout, temperature, check)
+                if ref is not None:
+                    with timer("ref"):
+                        actor.compute_logprobs(ref, samples, cfg.actor, run.layout, temperature, ref=True)
+                with timer("reward"):
+                    metrics = scores()  # waits for what is left of the scoring
+                # 5. advantages
                 compute_advantages(samples, cfg.algorithm)
-                with timer("update"), rl.oom("policy update", cfg):
-                    metrics |= actor.update_policy(
-                        policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed, pad_id,
-                        device, norm_length=cfg.data.max_response_length,
-                    )  # fmt: skip
-                if reuse:  # the update's forward compared the engine's logprobs
-                    rl.check_push(metrics, cfg.rollout, step)
+                # 6. the update, and the proof that the engine ran the trainer's weights
+                with timer("update"):
+                    loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
+                    batch = (samples, len(prompts), cfg.actor, run.layout)
+                    metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step)
+                metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
+                scheduler.step()
                 step += 1
-                rl.push(run, engine, policy, timer, offload)
-            rl.finish_step(
-                run, engine, step, samples, metrics, timer, guard, results,
-                save_fn=lambda s=step: rl.save(run, s, components, scheduler, guard, results),
-            )  # fmt: skip
+                # 7. push
+                with timer("sync"):
+                    rl.push(run, engine, policy, offload)
+            # 8. validate, log, save when due
+            save = functools.partial(rl.save, run, step, components, scheduler, guard, results)
+            rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:
         rl.close(run, engine)
     return results | {"global_step": step}

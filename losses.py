@@ -1,13 +1,12 @@
-"""Token-level RL math shared by grpo.py and ppo.py, and the chunked logprob/entropy kernels of every trainer.
+"""Token-level RL math shared by grpo.py and ppo.py, and the chunked logprob/entropy kernels of every trainer. The
+objectives themselves (PPO-clip, the value loss) live in grpo.py and ppo.py; these are their building blocks.
 
 Plain torch, no torch.distributed (data.py only for the model's input layout). Tensors are [B, T] (B sequences, T response positions),
 `mask` (float or bool) marks response tokens; the kernels take packed rows [N, V]. Definitions match verl's
 verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py on the same inputs.
 
 - agg_loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO).
-- policy_loss: PPO clip with clip-higher (DAPO) and dual clip for negative advantages (arXiv:1912.09729).
 - kl_penalty: k1/k2/k3 estimators (http://joschu.net/blog/kl-approx.html), "+" suffix = straight-through.
-- value_loss: clipped value loss with verl's 0.5 factor.
 - token_logprobs_and_entropy[_from_hidden]: label logprob and entropy per row, in row chunks through one
   autograd Function, so fp32 [N, V] (from hidden states: any [N, V] logits) is never held whole; the
   backward recomputes each chunk.
@@ -17,7 +16,6 @@ Deviations from verl:
 2. agg_loss normalises by `global_tokens` / `global_seqs` (verl: batch_num_tokens / global_batch_size) and
    has no dp_size factor: the trainer multiplies by the world size itself when its gradient reduce averages.
 3. Logprobs and entropy are always computed in fp32 (verl log_softmaxes bf16 logits in bf16).
-4. policy_loss returns its metrics as detached 0-dim tensors, not floats, so no device sync per micro-batch.
 """
 
 import functools
@@ -102,44 +100,6 @@ def agg_loss(
     return seq_losses.sum() / (loss_mat.shape[0] if global_seqs is None else global_seqs)
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    **norm: float | torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with clip-higher and dual clip (verl compute_policy_loss_vanilla).
-
-    Per token, r = exp(clamp(logprobs - old_logprobs, -20, 20)):
-      l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); if A < 0: l = min(l, -A clip_ratio_c).
-    All tensors [B, T]; `norm` (global_tokens, global_seqs, norm_length) goes to agg_loss.
-    Returns (scalar loss, metrics) with metrics detached 0-dim tensors: pg_clipfrac (share of tokens where
-    the clipped term won), pg_clipfrac_lower (share where the dual clip bound), ppo_kl (mean old - new).
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
-    log_ratio = torch.clamp(logprobs - old_logprobs, min=-20.0, max=20.0)  # [B, T], clamp as verl
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio  # [B, T]
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    loss_dual = -advantages * clip_ratio_c  # caps the loss of a negative-advantage token with huge ratio
-    pg_losses = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_dual), loss_ppo)  # [B, T]
-    loss = agg_loss(pg_losses, mask, loss_agg_mode, **norm)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-            "pg_clipfrac_lower": masked_mean(((loss_ppo > loss_dual) & (advantages < 0)).float(), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
-        }
-    return loss, metrics
-
-
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate [B, T] from sampled-token logprobs (verl core_algos.kl_penalty).
 
@@ -165,26 +125,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str)
         return kl
     k2 = 0.5 * d.square()
     return k2 - k2.detach() + kl.detach()
-
-
-def value_loss(
-    vpreds: torch.Tensor,
-    returns: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    cliprange_value: float,
-    loss_agg_mode: str = "token-mean",
-    **norm: float | torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, old +- c) - R)^2)) (verl compute_value_loss).
-
-    vpreds: new values, values: the rollout's old values, returns: targets; all [B, T]. `norm` goes to
-    agg_loss. Returns (scalar loss, clipfrac: detached share of tokens where the clipped term won)."""
-    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # [B, T]
-    losses = (vpreds - returns) ** 2
-    losses_clipped = (vpred_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), mask, loss_agg_mode, **norm)
-    return loss, masked_mean((losses_clipped > losses).float(), mask).detach()
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

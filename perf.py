@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ import log
 PEAK_FLOPS = 989e12
 """Dense bf16 tensor-core peak of an H100/H200 SXM (NVIDIA's datasheet figure without sparsity), FLOP/s."""
 MATMUL_FLOPS_H200 = 787e12
-"""What a bf16 8192^3 matmul reached on the lent H200 (../shared/gpu/README.md): the practical ceiling."""
+"""What a bf16 8192^3 matmul reached on the lent H200 (bench/README.md, device baselines): the practical ceiling."""
 GIB = 2**30
 
 
@@ -72,11 +72,15 @@ class ModelShape:
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(
-            hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
             tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )  # fmt: skip
+        )
 
     @property
     def layer_matmul_params(self) -> int:
@@ -170,15 +174,20 @@ class PhaseMemory:
 
 
 class PhaseTimer(log.Timer):
-    """log.Timer that also records each phase's CUDA memory (PhaseMemory); `pop()` returns both."""
+    """log.Timer that also records each phase's CUDA memory (PhaseMemory); `pop()` returns both.
 
-    def __init__(self, sync: Any = None) -> None:
+    explain: called with a phase's name, a context manager wrapped around that phase (rl.step_timer's turns an
+    out-of-memory error into one naming the phase and the flags to lower)."""
+
+    def __init__(self, sync: Any = None, explain: Callable[[str], Any] | None = None) -> None:
         super().__init__(sync=sync)
         self.memory = PhaseMemory()
+        self.explain = explain
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        with self.memory(name), super().__call__(name):
+        explained = self.explain(name) if self.explain is not None else nullcontext()
+        with self.memory(name), super().__call__(name), explained:
             yield
 
     def pop(self) -> dict[str, float]:

@@ -120,8 +120,16 @@ def plot_curves(
         steps, values = runs[label][m]
         name = label if len({m for _, m in present}) == 1 else f"{label}: {m}"
         sparse = m.startswith("val/")  # validation runs every test_freq steps: dots show where it ran
-        ax.plot(steps, values, LINE_STYLES[metrics.index(m)], color=colors[label], label=name,
-                marker="o" if sparse else None, markersize=3, linewidth=1.2)  # fmt: skip
+        ax.plot(
+            steps,
+            values,
+            LINE_STYLES[metrics.index(m)],
+            color=colors[label],
+            label=name,
+            marker="o" if sparse else None,
+            markersize=3,
+            linewidth=1.2,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

@@ -2,18 +2,19 @@
 rollout, FSDP2 for the actor, the critic and the frozen reference.
 
 Every rank holds a shard of the actor, the critic (and the reference when a KL is on) and a whole rollout engine.
-One step:
-  1. each rank generates `rollout.n` responses for its share of `data.train_batch_size` prompts, scored by
-     reward.py (rl.generate_and_start_scoring);
-  2. the actor recomputes old logprobs (and checks the engine's), the reference its logprobs, the critic values;
-  3. token rewards: the score on the last response token, minus `kl_coef * KL(actor || ref)` on every token when
+One step (main's loop, in this order):
+  1. prompts and generation: `rollout.n` responses to each prompt of this rank's share of `data.train_batch_size`;
+  2. scoring by reward.py's workers, in the background while the engine sleeps and the passes below run;
+  3. passes: the actor's old logprobs (unless the update's own forward gives them, as in grpo.py), the
+     reference's (with a KL), the critic's values;
+  4. token rewards: the score on the last response token, minus `kl_coef * KL(actor || ref)` on every token when
      `algorithm.use_kl_in_reward` (the coefficient fixed, or adapted towards `kl_ctrl.target_kl` as in Ziegler
-     et al. 2019, arXiv:1909.08593);
-  4. GAE over the response tokens (`gamma`, `lam`); returns = advantages + values; advantages whitened over all
-     the step's response tokens on all ranks;
-  5. the critic: `critic.ppo_epochs` passes of the clipped value loss; then (after `trainer.critic_warmup`
-     steps) the actor: PPO-clip over mini-batches (actor.py, as grpo.py);
-  6. the actor's weights are pushed into every rank's engine.
+     et al. 2019, arXiv:1909.08593); GAE over the response tokens (`gamma`, `lam`); returns = advantages +
+     values; advantages whitened over all the step's response tokens on all ranks;
+  5. the critic: `critic.ppo_epochs` passes of `value_loss`; then (after `trainer.critic_warmup` steps) the
+     actor: `policy_loss` (PPO-clip + KL loss - entropy bonus, the same objective as grpo.py's, repeated here so
+     that a fork edits one file) over mini-batches, both through actor.update's loop;
+  6. the actor's weights are pushed into every rank's engine; validation, the log line, checkpoints when due.
 
 Launch (the defaults run the offline toy task that `python toy.py --out runs/toy` and sft.py produce):
     torchrun --nproc_per_node 2 ppo.py --config configs/ppo_toy.yaml
@@ -31,11 +32,11 @@ Where it deviates from verl's ray_trainer + dp_critic:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 import actor
 import config
@@ -108,8 +109,8 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig(rl.TrainerConfig):
-    """rl.TrainerConfig and the critic's warm-up."""
+class PPOTrainerConfig(rl.RLTrainerConfig):
+    """rl.RLTrainerConfig and the critic's warm-up."""
 
     default_local_dir: str = "runs/ppo"
     """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints (actor at the top, critic/)."""
@@ -123,14 +124,14 @@ class TrainerConfig(rl.TrainerConfig):
 class PPOConfig:
     """PPO with a critic, colocated vLLM rollout and FSDP2 (see the module docstring)."""
 
-    data: rl.DataConfig = field(default_factory=rl.DataConfig)
+    data: rl.RLDataConfig = field(default_factory=rl.RLDataConfig)
     model: actor.ModelConfig = field(default_factory=actor.ModelConfig)
     actor: actor.ActorConfig = field(default_factory=actor.ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: rollout.RolloutConfig = field(default_factory=lambda: rollout.RolloutConfig(n=1))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     custom_reward_function: rl.RewardConfig = field(default_factory=rl.RewardConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
 
 
 # ------------------------------------------------------------------------------------- rewards, GAE
@@ -233,95 +234,104 @@ def advantages_and_returns(
         "critic/returns/mean": mean(returns),
         "critic/values/mean": mean(values),
         "critic/advantages/mean": mean(advantages),
-        # How much of the returns' variance the values (made before this step's critic update) explain.
-        "critic/explained_variance": 1.0 - var(resid) / max(var(returns), 1e-8),
     }
+    spread = var(returns)
+    if spread > 1e-8:  # how much of the returns' variance the values (before this step's update) explain
+        metrics["critic/explained_variance"] = 1.0 - var(resid) / spread
     return metrics
 
 
-# ------------------------------------------------------------------------------------------- critic
+# ------------------------------------------------------------------------------------------ objectives
 
 
-def critic_values(
-    critic: torch.nn.Module, samples: list[actor.Sample], g: list[int], packed: bool, pad_id: int, device
-) -> torch.Tensor:
-    """The critic's values at the response positions of samples[g], [S, R]: the value of the state before
-    each response token (aligned as the actor's logprobs)."""
-    b = actor.collate(samples, g, packed, pad_id, device)
-    out = critic(**data.model_inputs(b))
-    values = out.logits[..., 0].float()  # [B, T]
-    if not g:  # an empty pass (one pad token): a [1, 1] zero that still depends on the parameters
-        return values[:, :1] * 0
-    return actor.response_matrix(values, b["response_index"], [len(samples[i].response_ids) for i in g])
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: actor.ActorConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO-clip per token with clip-higher and dual clip, as grpo.py's (verl compute_policy_loss_vanilla):
+        l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high));  if A < 0: l = min(l, -A clip_ratio_c)
+    with r = exp(clamp(logprobs - old_logprobs, -20, 20)). Returns (l, clipped, dual-clipped), all [S, R]."""
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # [S, R]
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = -advantages * cfg.clip_ratio_c
+    is_dual = (loss > dual) & (advantages < 0)
+    return torch.where(is_dual, dual, loss), clipped > unclipped, is_dual
 
 
-def critic_micro_batches(samples: list[actor.Sample], idx: list[int], cfg: CriticConfig) -> list[list[int]]:
-    budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
-    return actor.micro_batch_groups(samples, idx, cfg.ppo_micro_batch_size_per_gpu, budget)
+def policy_loss(
+    model: torch.nn.Module, mb: actor.MicroBatch, cfg: PPOConfig, check: actor.PushCheck | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's objective on one micro-batch (an actor.LossFn): PPO-clip on the GAE advantages +
+    kl_loss_coef * KL(actor || reference) - entropy_coeff * entropy, aggregated by actor.loss_agg_mode."""
+    a = cfg.actor
+    logprobs, entropy = actor.forward(
+        model, mb, cfg.rollout.temperature, a.entropy_coeff != 0, check
+    )  # [S, R]
+    old = mb.per_token("old_logprobs")
+    old = logprobs.detach() if old is None else old  # one optimizer step a batch: this forward's, ratio 1
+    norm = dict(
+        global_tokens=mb.global_tokens, global_seqs=mb.global_seqs, norm_length=cfg.data.max_response_length
+    )
+    agg = lambda x: losses.agg_loss(x, mb.mask, a.loss_agg_mode, **norm)  # noqa: E731
+    pg, clipped, dual = clipped_surrogate(logprobs, old, mb.per_token("advantages"), a)
+    loss = pg_loss = agg(pg)
+    metrics = {
+        "actor/pg_loss": pg_loss.detach(),
+        "actor/pg_clipfrac": mb.token_mean(clipped.float()),
+        "actor/pg_clipfrac_lower": mb.token_mean(dual.float()),
+        "actor/ppo_kl": mb.token_mean(old - logprobs),
+    }
+    if a.use_kl_loss:
+        kl = agg(losses.kl_penalty(logprobs, mb.per_token("ref_logprobs"), a.kl_loss_type))
+        loss = loss + a.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl.detach()
+    if a.entropy_coeff != 0:
+        loss = loss - a.entropy_coeff * agg(entropy)
+    return loss, metrics
+
+
+def critic_values(critic: torch.nn.Module, mb: actor.MicroBatch) -> torch.Tensor:
+    """The critic's values at mb's response positions, [S, R]: the value of the state before each response
+    token (aligned as the actor's logprobs)."""
+    out = critic(**data.model_inputs(mb.inputs))
+    return mb.rows(out.logits[..., 0].float())  # [B, T] -> [S, R]
+
+
+def value_loss(
+    critic: torch.nn.Module, mb: actor.MicroBatch, cfg: PPOConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's objective on one micro-batch (an actor.LossFn), verl's compute_value_loss with its 0.5:
+        0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)),  c = critic.cliprange_value
+    where v are the new values, v_old the rollout's and R the returns."""
+    c = cfg.critic
+    vpreds = critic_values(critic, mb)  # [S, R]
+    returns, values = mb.per_token("returns"), mb.per_token("values")
+    vpred_clipped = torch.clamp(vpreds, values - c.cliprange_value, values + c.cliprange_value)
+    unclipped, clipped = (vpreds - returns) ** 2, (vpred_clipped - returns) ** 2
+    norm = dict(
+        global_tokens=mb.global_tokens, global_seqs=mb.global_seqs, norm_length=cfg.data.max_response_length
+    )
+    loss = 0.5 * losses.agg_loss(torch.maximum(unclipped, clipped), mb.mask, c.loss_agg_mode, **norm)
+    return loss, {
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clipfrac": mb.token_mean((clipped > unclipped).float()),
+        "critic/vpred_mean": mb.token_mean(vpreds),
+    }
 
 
 @torch.no_grad()
 def compute_values(
-    critic: torch.nn.Module, samples: list[actor.Sample], cfg: CriticConfig, packed: bool, pad_id: int, device
+    critic: torch.nn.Module, samples: list[actor.Sample], cfg: CriticConfig, layout: actor.Layout
 ) -> None:
     """Sets sample.values ([L], on the CPU) for every sample of this rank (in eval mode)."""
     critic.eval()
-    for g in critic_micro_batches(samples, list(range(len(samples))), cfg):
-        v = critic_values(critic, samples, g, packed, pad_id, device).cpu()  # [S, R]
-        for j, i in enumerate(g):
-            samples[i].values = v[j, : len(samples[i].response_ids)]
-
-
-@actor.in_train_mode
-def update_critic(
-    critic: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    guard: optim.SkipGuard,
-    samples: list[actor.Sample],
-    n_prompts: int,
-    cfg: CriticConfig,
-    packed: bool,
-    pad_id: int,
-    device: torch.device,
-    norm_length: int,
-) -> dict[str, float]:
-    """`cfg.ppo_epochs` passes of the clipped value loss over mini-batches; returns the mean critic/* metrics."""
-    world = dist.get_world_size()
-    sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
-    grad_norms = []
-    for _ in range(cfg.ppo_epochs):
-        for idx in actor.mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size):
-            tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
-            norm = dict(global_tokens=tokens, global_seqs=fsdp.all_reduce(len(idx)), norm_length=norm_length)
-            groups = critic_micro_batches(samples, idx, cfg)
-            loss_sum = 0.0
-            for k, g in enumerate(groups):
-                critic.set_requires_gradient_sync(k == len(groups) - 1)
-                vpreds = critic_values(critic, samples, g, packed, pad_id, device)  # [S, R]
-                if not g:  # an empty pass keeps the collectives paired; contributes 0
-                    (vpreds.sum() * 0).backward()
-                    continue
-                lens = [len(samples[i].response_ids) for i in g]
-                R, mask = max(lens), actor.mask_of(lens, device)
-                returns = actor.padded([samples[i].returns for i in g], R, device)
-                values = actor.padded([samples[i].values for i in g], R, device)
-                loss, clipfrac = losses.value_loss(
-                    vpreds, returns, values, mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
-                )
-                (loss * world).backward()  # FSDP averages over ranks; each rank's loss is its share
-                loss_sum = loss_sum + loss.detach()  # device tensors until the mini-batch ends (actor's loop)
-                share = sum(lens) / tokens
-                sums["critic/vf_loss"] += loss.detach()
-                sums["critic/vf_clipfrac"] += clipfrac.detach() * share
-                sums["critic/vpred_mean"] += losses.masked_mean(vpreds.detach(), mask) * share
-            grad_norm = fsdp.grad_norm_and_clip(critic, cfg.grad_clip)
-            if guard.take_step(fsdp.all_reduce(float(loss_sum)), grad_norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm)
-    out = {k: fsdp.all_reduce(float(v)) / len(grad_norms) for k, v in sums.items()}
-    out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    return out
+    for g in actor.micro_batches(samples, list(range(len(samples))), cfg):
+        mb = actor.MicroBatch.of([samples[i] for i in g], layout)
+        v = critic_values(critic, mb).cpu()  # [S, R]
+        for j, s in enumerate(mb.samples):
+            s.values = v[j, : mb.lengths[j]]
 
 
 # --------------------------------------------------------------------------------------------- loop
@@ -331,9 +341,14 @@ def main(cfg: PPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     if not cfg.critic.model.path:  # the critic starts from the actor's model unless told otherwise
         cfg = replace(cfg, critic=replace(cfg.critic, model=replace(cfg.critic.model, path=cfg.model.path)))
+    if cfg.actor.policy_loss.loss_mode != "vanilla":
+        raise SystemExit(
+            f"error: actor.policy_loss.loss_mode={cfg.actor.policy_loss.loss_mode} is grpo.py's; ppo.py's "
+            "objective is PPO-clip (vanilla)"
+        )
     run = rl.start(cfg)
-    device, pad_id, T = run.dist.device, run.pad_id, cfg.rollout.temperature
-    packed, critic_packed = cfg.model.use_remove_padding, cfg.critic.model.use_remove_padding
+    device, temperature = run.dist.device, cfg.rollout.temperature
+    critic_layout = actor.Layout(cfg.critic.model.use_remove_padding, run.pad_id, device)
     policy, hf_files = actor.load(cfg.model, device)
     critic, critic_files = actor.load(cfg.critic.model, device, value_head=True)
     ref = None
@@ -341,10 +356,14 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         ref = actor.load_reference(cfg.model, policy, device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     critic_optimizer, critic_scheduler = optim.build(critic.parameters(), cfg.critic.optim, run.total_steps)
-    guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
+    guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)  # counts the critic's and the actor's steps
     kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
     offload = rl.offloads(cfg, optimizer, critic_optimizer)
     components = {"": (policy, optimizer, hf_files), "critic": (critic, critic_optimizer, critic_files)}
+    # As grpo.py, unless the KL in the reward needs the old logprobs before the advantages.
+    one_step = (
+        actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size) and not cfg.algorithm.use_kl_in_reward
+    )
     engine = None
     try:
         engine = rl.make_engine(cfg, run)
@@ -352,44 +371,51 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         if extra:
             critic_scheduler.load_state_dict(extra["critic_scheduler"])
             kl_ctrl.value = extra["kl_coef"]
-        if rl.first_push(run, engine, policy, step, results):
+        if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
             return results
-        # As grpo.py, unless the KL in the reward needs the old logprobs before the advantages.
-        # The critic's warm-up steps do not update the actor, so their old-logprob pass checks the push.
-        reuse = rl.old_logprobs_from_update(cfg) and not cfg.algorithm.use_kl_in_reward
         while step < run.total_steps:
-            with rl.step_timer() as timer:
-                from_update = reuse and step >= cfg.trainer.critic_warmup
-                prompts, samples, metrics = rl.make_experience(
-                    run, engine, policy, ref, step, timer, from_update
-                )
-                with timer("values"), rl.oom("critic values", cfg):
-                    compute_values(critic, samples, cfg.critic, critic_packed, pad_id, device)
+            with rl.step_timer(cfg) as timer:
+                train_actor = step >= cfg.trainer.critic_warmup
+                prompts, mine = run.next_prompts()  # the engine's prompts; this rank trains on prompts[mine]
+                with timer("gen"):
+                    samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                scores = rl.score_in_background(run, samples, prompts)  # beside the sleep and the passes
+                engine.sleep()
+                check = actor.PushCheck(device)
+                if not (one_step and train_actor):  # a warm-up step has no actor update to check the push
+                    with timer("old_logprob"):
+                        actor.compute_logprobs(policy, samples, cfg.actor, run.layout, temperature, check)
+                if ref is not None:
+                    with timer("ref"):
+                        actor.compute_logprobs(ref, samples, cfg.actor, run.layout, temperature, ref=True)
+                with timer("values"):
+                    compute_values(critic, samples, cfg.critic, critic_layout)
+                with timer("reward"):
+                    metrics = scores()
                 with timer("adv"):
                     metrics |= advantages_and_returns(samples, cfg.algorithm, kl_ctrl)
-                with timer("update_critic"), rl.oom("critic update", cfg):
-                    metrics |= update_critic(
-                        critic, critic_optimizer, guard, samples, len(prompts), cfg.critic, critic_packed,
-                        pad_id, device, norm_length=cfg.data.max_response_length,
-                    )  # fmt: skip
+                with timer("update_critic"):
+                    batch = (samples, len(prompts), cfg.critic, critic_layout)
+                    loss_fn = functools.partial(value_loss, cfg=cfg)
+                    metrics |= actor.update(
+                        critic, critic_optimizer, guard, *batch, loss_fn, prefix="critic/"
+                    )
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
                 critic_scheduler.step()
-                if step >= cfg.trainer.critic_warmup:
-                    with timer("update_actor"), rl.oom("actor update", cfg):
-                        metrics |= actor.update_policy(
-                            policy, optimizer, scheduler, guard, samples, len(prompts), cfg.actor, T, packed,
-                            pad_id, device, norm_length=cfg.data.max_response_length,
-                        )  # fmt: skip
-                    if from_update:  # the update's forward compared the engine's logprobs
-                        rl.check_push(metrics, cfg.rollout, step)
+                if train_actor:
+                    with timer("update_actor"):
+                        loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
+                        batch = (samples, len(prompts), cfg.actor, run.layout)
+                        metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
+                    metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
+                    scheduler.step()
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step)  # the engine ran our weights
                 step += 1
-                rl.push(run, engine, policy, timer, offload)
-
-            def save(s: int = step) -> object:
-                own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
-                return rl.save(run, s, components, scheduler, guard, results, extra=own)
-
-            rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save_fn=save)
+                with timer("sync"):
+                    rl.push(run, engine, policy, offload)
+            own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
+            save = functools.partial(rl.save, run, step, components, scheduler, guard, results, own)
+            rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:
         rl.close(run, engine)
     return results | {"global_step": step}

@@ -1,35 +1,30 @@
-"""The RL loop's plumbing, shared by grpo.py and ppo.py (their algorithms stay in their own files).
+"""The RL loop's plumbing, shared by grpo.py and ppo.py; their steps and objectives stay in their own files.
+One job a section:
 
-    run = rl.start(cfg)                          # process group, tokenizer, datasets, sampler, reward pool
-    engine = rl.make_engine(cfg, run)            # this rank's rollout engine (rollout.py)
-    step, results, extra = rl.resume(run, components, scheduler, guard)   # checkpoint (if any), logger
-    if rl.first_push(run, engine, policy, step, results): return results  # push; validate before training
-    while step < run.total_steps:
-        with rl.step_timer() as timer:
-            prompts, samples, metrics = rl.make_experience(run, engine, policy, ref, step, timer)
-            ...                                  # the algorithm: advantages, updates (actor.update_policy)
-            step += 1
-            rl.push(run, engine, policy, timer, offload)                 # the new weights into the engine
-        rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save_fn)  # val, log, save
+- settings: `RLDataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*), `RLTrainerConfig`
+  (trainer.*), and `verl_layout`, which maps verl's `actor_rollout_ref.*` YAML sections onto ours;
+- set-up and checkpoints: `start` (process group, tokenizer, datasets, sampler, reward pool), `make_engine`,
+  `resume`, `save`, `close`;
+- rollouts: `Run.next_prompts`, `generate` (seeded per step and rank, so a resumed run draws the same responses
+  as an uninterrupted one given the same weights), `score_in_background`, `push`;
+- validation: `validate` (and RUN/val_generations/step_N.jsonl), `push_and_validate_first`;
+- the step's end: `step_timer` (per-phase time and memory; an out-of-memory error names the phase and the flags
+  to lower), `finish_step` (validation when due, the log line, checkpoints).
 
-- Settings shared by both scripts: `DataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*),
-  `TrainerConfig` (trainer.*). verl's YAML layout (`actor_rollout_ref.{model,actor,rollout}`) is mapped by
-  `verl_layout`.
-- Sampling is seeded per step and rank (`rollout_seed`), so a resumed run draws the same responses as an
-  uninterrupted one given the same weights.
-- Groups never straddle ranks: a prompt's n responses are generated, scored and normalised on one rank. With
-  tensor-parallel rollout the tp ranks of one engine generate their prompts together, then each trains on its
-  own prompts' responses (`Run.next_prompts`).
+Groups never straddle ranks: a prompt's n responses are generated, scored and normalised on one rank. With
+tensor-parallel rollout the tp ranks of one engine generate their prompts together, then each trains on its own
+prompts' responses (`Run.next_prompts`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +42,11 @@ import perf
 import reward
 import rollout
 
+# ------------------------------------------------------------------------------------------- settings
+
 
 @dataclass(frozen=True)
-class DataConfig:
+class RLDataConfig:
     """RL prompts in verl's schema (data_source, prompt, ability, reward_model, extra_info)."""
 
     train_files: str | list[str] = "runs/toy/rl/train.parquet"
@@ -89,11 +86,11 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class TrainerConfig(config.TrainerConfig):
+class RLTrainerConfig(config.TrainerConfig):
     """config.TrainerConfig (loop, logging, checkpoints) and RL validation; rollout.seed seeds the sampling."""
 
     default_local_dir: str = "runs/rl"
-    """Run folder: metrics.jsonl, config.yaml, report.md, global_step_N/ checkpoints."""
+    """Run folder: metrics.jsonl, config.yaml, report.md, val_generations/, global_step_N/ checkpoints."""
     experiment_name: str = "rl"
     """Run name for tensorboard/wandb."""
     val_before_train: bool = True
@@ -118,7 +115,7 @@ def verl_layout(d: dict) -> dict:
     )
 
 
-# ------------------------------------------------------------------------------------------- set-up
+# ------------------------------------------------------------------------------ set-up, checkpoints
 
 
 @dataclass
@@ -130,13 +127,21 @@ class Run:
     run_dir: Path
     tokenizer: Any
     pad_id: int
-    train: data.RLDataset
+    train: data.RLDataset | None  # None with trainer.val_only
     val: data.RLDataset | None
-    sampler: data.EpochSampler
+    sampler: data.EpochSampler | None
     total_steps: int
     pool: reward.RewardPool
     logger: log.Logger | None = None
+    scorer: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-reward")
+    )
     _batches: Any = None
+
+    @property
+    def layout(self) -> actor.Layout:
+        """How the policy's micro-batches are laid out (model.use_remove_padding: packed)."""
+        return actor.Layout(self.cfg.model.use_remove_padding, self.pad_id, self.dist.device)
 
     @property
     def push_dtype(self) -> torch.dtype:
@@ -171,10 +176,12 @@ class Run:
 
 
 def start(cfg: Any) -> Run:
-    """Joins the process group; loads the tokenizer and datasets; starts the reward pool."""
+    """Joins the process group; loads the tokenizer and datasets; starts the reward pool. With trainer.val_only
+    only the validation prompts are loaded (no training sampler: its batch size need not fit)."""
     from transformers import AutoTokenizer
 
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
+    fsdp.stop_at_step_boundary_on_sigterm()
     if cfg.trainer.plan:
         fsdp.print0(perf.plan(cfg, d.world_size).render())
         raise SystemExit(0)
@@ -190,19 +197,21 @@ def start(cfg: Any) -> Run:
         filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         skip_bad_rows=cfg.data.skip_bad_rows,
     )
-    train = data.RLDataset(cfg.data.train_files, **ds_kwargs)
+    train = None if cfg.trainer.val_only else data.RLDataset(cfg.data.train_files, **ds_kwargs)
     val = data.RLDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
     for name, ds in (("train", train), ("val", val)):
         if ds is not None and (ds.dropped_overlong or ds.skipped):
             fsdp.print0(
                 f"{name} prompts: {ds.dropped_overlong} over max_prompt_length dropped, skipped {ds.skipped}"
             )
-    if cfg.data.train_batch_size % d.world_size:
-        raise ValueError(
-            f"data.train_batch_size={cfg.data.train_batch_size} must divide by {d.world_size} ranks"
-        )
-    sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
-    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+    sampler, total_steps = None, 0
+    if train is not None:
+        if cfg.data.train_batch_size % d.world_size:
+            raise ValueError(
+                f"data.train_batch_size={cfg.data.train_batch_size} must divide by {d.world_size} ranks"
+            )
+        sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
+        total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
     rc = cfg.custom_reward_function
     pool = reward.RewardPool(
         (rc.path, rc.name) if rc.path else None, num_workers=rc.num_workers, timeout_s=rc.timeout_s
@@ -274,10 +283,15 @@ def resume(
         step, results, extra = state["global_step"], state.get("results", {}), state.get("extra", {})
         fsdp.print0(f"resumed from {path} at step {step}")
     run.logger = log.Logger(
-        run.run_dir, cfg.trainer.logger, rank=run.dist.rank, total_steps=run.total_steps,
-        project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=config.to_dict(cfg),
+        run.run_dir,
+        cfg.trainer.logger,
+        rank=run.dist.rank,
+        total_steps=run.total_steps,
+        project=cfg.trainer.project_name,
+        experiment=cfg.trainer.experiment_name,
+        config=config.to_dict(cfg),
         keep_until_step=step if path is not None else -1,
-    )  # fmt: skip
+    )
     if run.dist.is_main:
         log.write_run_files(run.run_dir, config.to_yaml(cfg))
     return step, results, extra
@@ -294,15 +308,31 @@ def save(
 ) -> Path:
     """Writes RUN/global_step_N/ with every component (collective); `extra` is the script's own JSON state."""
     state = dict(
-        sampler=run.sampler.state_dict(), scheduler=scheduler.state_dict(), skips=guard.state_dict(),
-        results=results, extra=extra or {}, config=config.to_dict(run.cfg), run_info=log.run_info(),
-    )  # fmt: skip
+        sampler=run.sampler.state_dict(),
+        scheduler=scheduler.state_dict(),
+        skips=guard.state_dict(),
+        results=results,
+        extra=extra or {},
+        config=config.to_dict(run.cfg),
+        run_info=log.run_info(),
+    )
     parts = {k: (m, opt, files | {"tokenizer": run.tokenizer}) for k, (m, opt, files) in components.items()}
     model, optimizer, hf_files = parts.pop("")
+    keep = run.cfg.trainer.max_ckpt_to_keep
     return checkpoint.save_checkpoint(
-        run.run_dir, step, model, optimizer, state, hf_files, keep_last=run.cfg.trainer.max_ckpt_to_keep,
-        extra=parts,
-    )  # fmt: skip
+        run.run_dir, step, model, optimizer, state, hf_files, keep_last=keep, extra=parts
+    )
+
+
+def close(run: Run, engine: rollout.Engine | None) -> None:
+    """Flushes the logger, stops the reward workers and the engine (the process group stays for the caller)."""
+    if run.logger is not None:
+        run.logger.close()
+    run.scorer.shutdown(wait=True)
+    run.pool.close()
+    if engine is not None:
+        engine.shutdown()
+    log.write_report(run.run_dir, config.to_yaml(run.cfg), rank=run.dist.rank)  # RUN/report.md, rank 0
 
 
 # ------------------------------------------------------------------------------------------ rollouts
@@ -313,20 +343,32 @@ def rollout_seed(base: int, step: int, rank: int) -> int:
     return (base * 1_000_003 + step * 10_007 + rank) % 2**31
 
 
-def generate(
+def sample(
     engine: rollout.Engine, prompts: list[dict], sampling: rollout.SamplingConfig, max_tokens: int, seed: int
 ) -> list[actor.Sample]:
-    """`sampling.n` responses per prompt from this rank's engine, as Samples grouped per prompt."""
+    """`sampling.n` responses to each prompt from the engine, as Samples grouped per prompt."""
     out = engine.generate([p["prompt_ids"] for p in prompts], sampling, max_tokens, seed=seed)
     samples = []
     for o in out:
         ids = o.response_ids or [0]  # an empty response cannot be scored by logprob; vLLM never returns one
-        samples.append(
-            actor.Sample(
-                prompts[o.prompt_index]["prompt_ids"], ids, o.logprobs, o.finish_reason, o.prompt_index
-            )
-        )
+        prompt_ids = prompts[o.prompt_index]["prompt_ids"]
+        samples.append(actor.Sample(prompt_ids, ids, o.logprobs, o.finish_reason, o.prompt_index))
     return samples
+
+
+def generate(
+    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int
+) -> tuple[list[actor.Sample], list[dict]]:
+    """A training step's rollouts: rollout.n responses to each of the engine's prompts (at this step's seed),
+    of which this rank keeps those to prompts[mine]. Returns (its samples, with `group` indexing its prompts;
+    its prompts)."""
+    cfg = run.cfg
+    seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
+    samples = sample(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
+    samples = [s for s in samples if mine.start <= s.group < mine.stop]
+    for s in samples:
+        s.group -= mine.start
+    return samples, prompts[mine]
 
 
 def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
@@ -351,121 +393,19 @@ def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[di
     return metrics
 
 
-_SCORER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-reward")
-
-
-def score_in_background(
-    pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer
-) -> Callable[[], dict[str, float]]:
-    """Starts `score` in a thread and returns the function that waits for it, so the trainer's logprob passes
-    run meanwhile (the reward workers are processes: the thread decodes and waits on them). The function returns
-    the metrics merged over ranks (a collective, so in the calling thread), with `perf/reward_scoring_s`, the
-    scoring's own seconds; it raises what the scoring raised."""
+def score_in_background(run: Run, samples: list[actor.Sample], prompts: list[dict]) -> Callable[[], dict]:
+    """Starts `score` in run's scoring thread and returns the function that waits for it, so the trainer's
+    passes run meanwhile (the reward workers are processes: the thread decodes and waits on them). The function
+    returns the metrics merged over ranks (a collective, so in the calling thread), with `perf/reward_scoring_s`,
+    the scoring's own seconds; it raises what the scoring raised."""
 
     def job() -> dict[str, float]:
         start = time.perf_counter()
-        metrics = score(pool, samples, prompts, tokenizer)
+        metrics = score(run.pool, samples, prompts, run.tokenizer)
         return metrics | {"perf/reward_scoring_s": time.perf_counter() - start}
 
-    future = _SCORER.submit(job)
+    future = run.scorer.submit(job)
     return lambda: merge_ranks(future.result())
-
-
-def generate_and_start_scoring(
-    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, timer: log.Timer
-) -> tuple[list[dict], list[actor.Sample], Callable[[], dict[str, float]]]:
-    """Generates for `prompts`, keeps the responses to prompts[mine], starts scoring them (score_in_background),
-    then puts the engine to sleep while they are scored.
-
-    Returns (this rank's prompts, their samples with `group` indexing those prompts, the function that waits
-    for their scores and returns the reward metrics).
-    """
-    cfg = run.cfg
-    seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
-    with timer("gen"), oom(f"step {step + 1} generation", cfg):
-        samples = generate(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
-        samples = [s for s in samples if mine.start <= s.group < mine.stop]
-        for s in samples:
-            s.group -= mine.start
-        prompts = prompts[mine]
-        finish_scoring = score_in_background(run.pool, samples, prompts, run.tokenizer)
-        engine.sleep()
-    return prompts, samples, finish_scoring
-
-
-def old_logprobs_from_update(cfg: Any) -> bool:
-    """Whether the update can take the old logprobs from its own forward (actor.old_logprobs_from_update): one
-    optimizer step (ppo_epochs 1, one mini-batch of all the step's prompts) sees the weights that sampled."""
-    a = cfg.actor
-    return (
-        a.old_logprobs_from_update
-        and a.ppo_epochs == 1
-        and a.ppo_mini_batch_size == cfg.data.train_batch_size
-    )
-
-
-def make_experience(
-    run: Run,
-    engine: rollout.Engine,
-    policy: torch.nn.Module,
-    ref: torch.nn.Module | None,
-    step: int,
-    timer: log.Timer,
-    old_from_update: bool = False,
-) -> tuple[list[dict], list[actor.Sample], dict[str, float]]:
-    """A step's experience: the next prompts, their responses and scores (generate_and_start_scoring), the policy's
-    old logprobs (checked against the engine's: check_push) and, with a reference model, its logprobs. The scoring
-    runs beside the engine's sleep and those passes; timing_s/reward is what is left of it after them.
-
-    old_from_update: the old logprobs, the push check and actor/entropy are left to the update's forward
-    (actor.update_policy; sample.old_logprobs None), so no old-logprob pass runs here; the caller runs
-    check_push on the update's metrics.
-    Returns (this rank's prompts, its samples, the step's reward and rollout metrics so far).
-    """
-    cfg = run.cfg
-    device, pad_id, T, packed = (
-        run.dist.device,
-        run.pad_id,
-        cfg.rollout.temperature,
-        cfg.model.use_remove_padding,
-    )
-    prompts, mine = run.next_prompts()
-    prompts, samples, finish_scoring = generate_and_start_scoring(run, engine, prompts, mine, step, timer)
-    metrics = {}
-    if not old_from_update:
-        with timer("old_logprob"), oom("old logprobs", cfg):
-            metrics = actor.compute_logprobs(policy, samples, cfg.actor, T, packed, pad_id, device)
-        check_push(metrics, cfg.rollout, step)
-    if ref is not None:
-        with timer("ref"), oom("reference logprobs", cfg):
-            actor.compute_logprobs(ref, samples, cfg.actor, T, packed, pad_id, device, ref=True)
-    with timer("reward"):
-        metrics |= finish_scoring()
-    return prompts, samples, metrics
-
-
-def offloads(cfg: Any, *optimizers: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
-    """With model.fsdp_config.offload_optimizer_in_rollout, one fsdp.OptimizerOffload per optimizer, else none."""
-    return (
-        [fsdp.OptimizerOffload(o) for o in optimizers]
-        if cfg.model.fsdp_config.offload_optimizer_in_rollout
-        else []
-    )
-
-
-def push(
-    run: Run,
-    engine: rollout.Engine,
-    policy: torch.nn.Module,
-    timer: log.Timer,
-    offload: list[fsdp.OptimizerOffload],
-) -> None:
-    """A step's last phase, "sync": the optimizer states leave the device (when offloaded; they come back at the
-    next optimizer step) before the push wakes the engine's KV cache, then the policy's weights go in."""
-    with timer("sync"), oom("weight push", run.cfg):
-        for o in offload:
-            o.offload()
-        actor.push_weights(engine, policy, run.push_dtype)
 
 
 def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
@@ -481,30 +421,58 @@ def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def check_push(metrics: dict[str, float], cfg: rollout.RolloutConfig, step: int) -> None:
-    """Stops the run when the engine's logprobs are not the trainer's: it is not running the trained weights.
-    The diff covers the samples that carry the engine's logprobs (rollout.logprob_check_prompts); NaN fails."""
-    if not metrics["rollout/logprob_diff_mean"] <= cfg.logprob_diff_tol:
-        raise RuntimeError(
-            f"step {step + 1}: vLLM's logprobs differ from the trainer's by "
-            f"{metrics['rollout/logprob_diff_mean']:.4f} on average (> rollout.logprob_diff_tol="
-            f"{cfg.logprob_diff_tol}): the engine is not running the trained weights"
-        )
+def offloads(cfg: Any, *optimizers: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
+    """With model.fsdp_config.offload_optimizer_in_rollout, one fsdp.OptimizerOffload per optimizer, else none."""
+    if not cfg.model.fsdp_config.offload_optimizer_in_rollout:
+        return []
+    return [fsdp.OptimizerOffload(o) for o in optimizers]
 
 
-def validate(run: Run, engine: rollout.Engine) -> dict[str, float]:
-    """Responses (rollout.val_kwargs, greedy by default) to every validation prompt; means over all ranks."""
+def push(
+    run: Run, engine: rollout.Engine, policy: torch.nn.Module, offload: list[fsdp.OptimizerOffload] = ()
+) -> None:
+    """The policy's weights into the engine (waking it). Offloaded optimizer states leave the device first (they
+    come back at the next optimizer step), so the engine's KV cache finds the room."""
+    for o in offload:
+        o.offload()
+    actor.push_weights(engine, policy, run.push_dtype)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def validate(run: Run, engine: rollout.Engine, step: int) -> dict[str, float]:
+    """Responses (rollout.val_kwargs, greedy by default) to every validation prompt; means over all ranks.
+    Rank 0 writes every response, its prompt, ground truth and score to RUN/val_generations/step_N.jsonl (the
+    first thing to read when the reward stays at 0) and prints three."""
     cfg, dp_rank, dp_size = run.cfg, run.dist.rank // run.tp, run.dist.world_size // run.tp
     mine = [run.val[i] for i in range(len(run.val))][dp_rank::dp_size]  # an engine's share (its tp ranks')
     samples = []
     if mine:
         seed = rollout_seed(cfg.rollout.seed, -1, dp_rank)
-        samples = generate(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length, seed)
+        samples = sample(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length, seed)
     score(run.pool, samples, mine, run.tokenizer)
-    for s in samples[:3]:  # a few generations on the console, so a person can see what is being scored
-        text = run.tokenizer.decode(s.response_ids, skip_special_tokens=True).replace("\n", " | ")
-        fsdp.print0(f"  val sample: {mine[s.group]['raw_prompt'][-40:]!r} -> {text!r} (reward {s.score:g})")
     w = float(run.dist.rank % run.tp == 0)  # the tp ranks of an engine hold the same responses: count once
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    rows = [
+        dict(
+            prompt=mine[s.group]["raw_prompt"],
+            response=t,
+            ground_truth=mine[s.group]["ground_truth"],
+            score=s.score,
+        )
+        for s, t in zip(samples, texts, strict=True)
+    ]
+    every = [None] * run.dist.world_size
+    dist.all_gather_object(every, rows if w else [])
+    if run.dist.is_main:
+        out = run.run_dir / "val_generations"
+        out.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(r, default=str) + "\n" for part in every for r in part]
+        (out / f"step_{step}.jsonl").write_text("".join(lines))
+        for r in rows[:3]:  # a few on the console, so a person can see what is being scored
+            text = r["response"].replace("\n", " | ")
+            print(f"  val sample: {str(r['prompt'])[-40:]!r} -> {text!r} (reward {r['score']:g})", flush=True)
     n = fsdp.all_reduce(w * len(samples))
     return {
         "val/reward/mean": fsdp.all_reduce(w * sum(s.score for s in samples)) / max(n, 1),
@@ -513,17 +481,35 @@ def validate(run: Run, engine: rollout.Engine) -> dict[str, float]:
     }
 
 
-def first_push(run: Run, engine: rollout.Engine, policy: torch.nn.Module, step: int, results: dict) -> bool:
+def push_and_validate_first(
+    run: Run, engine: rollout.Engine, policy: torch.nn.Module, step: int, results: dict
+) -> bool:
     """Pushes the policy's weights (the engine then runs exactly the trainer's weights, resumed or not) and runs
     the validation before training (or the whole of val_only); True when the run should stop here."""
-    actor.push_weights(engine, policy, run.push_dtype)
+    push(run, engine, policy)
     trainer = run.cfg.trainer
     if run.val is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
-        metrics = validate(run, engine)
+        metrics = validate(run, engine, step)
         results["val/reward/mean_before"] = metrics["val/reward/mean"]
         results |= metrics
         run.logger.log(metrics, step=step)
     return trainer.val_only
+
+
+# ------------------------------------------------------------------------------------- the step's end
+
+
+@contextlib.contextmanager
+def step_timer(cfg: Any) -> Iterator[log.Timer]:
+    """A fresh per-phase timer for one step: `with timer("update"): ...` records the phase's time (waiting for
+    queued GPU work before each clock read) and CUDA memory (perf.PhaseTimer), and turns an out-of-memory error
+    in it into one that names the phase and the flags to lower (oom). The block's own time is timing_s/step."""
+    t = perf.PhaseTimer(
+        sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
+        explain=lambda name: oom(name, cfg),
+    )
+    with t("step"):
+        yield t
 
 
 def rollout_metrics(samples: list[actor.Sample], n: int) -> dict[str, float]:
@@ -562,7 +548,7 @@ def finish_step(
     last = step == run.total_steps
     if run.val is not None and (last or (trainer.test_freq > 0 and step % trainer.test_freq == 0)):
         with timer("val"):
-            metrics |= validate(run, engine)
+            metrics |= validate(run, engine, step)
     metrics |= rollout_metrics(samples, run.cfg.rollout.n)
     metrics |= timer.pop()
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -583,8 +569,14 @@ def finish_step(
         metrics["perf/max_memory_allocated_gb"] = max(peaks)
     run.logger.log(metrics, step=step)
     results |= {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/mean"))}
-    if guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+    stop = fsdp.stop_requested()  # SIGTERM on any rank: save, then exit (the same command resumes)
+    if stop or guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
         path = save_fn()
+        if stop and not last:
+            fsdp.print0(
+                f"stopped by signal {stop} after step {step}; {path} holds it: the same command resumes"
+            )
+            raise SystemExit(128 + stop)
         if guard.stop:
             raise RuntimeError(
                 f"step {step}: the loss or gradient norm was NaN/inf in the last {guard.consecutive} optimizer "
@@ -592,27 +584,3 @@ def finish_step(
                 f"updated the weights, so {path} holds the last good ones. Look at those steps' data or lower "
                 "the learning rate, then resume from it."
             )
-
-
-def close(run: Run, engine: rollout.Engine | None) -> None:
-    """Flushes the logger, stops the reward workers and the engine (the process group stays for the caller)."""
-    if run.logger is not None:
-        run.logger.close()
-    run.pool.close()
-    if engine is not None:
-        engine.shutdown()
-    log.write_report(run.run_dir, config.to_yaml(run.cfg), rank=run.dist.rank)  # RUN/report.md, rank 0
-
-
-@contextlib.contextmanager
-def step_timer() -> Iterator[log.Timer]:
-    """A fresh per-phase timer (see `timer`) for one step; the block's own time is its `timing_s/step`."""
-    t = timer()
-    with t("step"):
-        yield t
-
-
-def timer() -> log.Timer:
-    """A per-phase timer that waits for queued GPU work before each clock read and records each phase's CUDA
-    memory (perf.PhaseTimer)."""
-    return perf.PhaseTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None)

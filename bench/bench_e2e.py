@@ -13,7 +13,7 @@ reported apart (first-call costs).
   `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
-  autocast as flatrl, gradient checkpointing (as in ../shared/gpu/README.md's TRL run), per-device batch 16 x
+  autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
   gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets

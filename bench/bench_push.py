@@ -49,9 +49,11 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
     path = str(common.build_model(size, f"{work}/{size}"))
     policy = fsdp.shard_model(fsdp.load_model(path), d.device, fsdp.FSDPConfig())
     cfg = rollout.RolloutConfig(
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True, cpu_kvcache_space_gb=1,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=True,
+        cpu_kvcache_space_gb=1,
         max_num_seqs=16 if args.toy else rollout.RolloutConfig.max_num_seqs,
-    )  # fmt: skip
+    )
     engine = rollout.make_engine(cfg, path, max_model_len=args.max_model_len)
     dtype = torch.float32 if d.device.type == "cpu" else getattr(torch, cfg.dtype)
     push = lambda: actor.push_weights(engine, policy, dtype)  # noqa: E731
@@ -71,9 +73,11 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
             cycles.append(c.s)
         med = lambda xs: round(statistics.median(xs), 4)  # noqa: E731
         out[f"level{level}"] = {
-            "sleep_median_s": med(sleeps), "cycle_median_s": med(cycles), "cycle_min_s": round(min(cycles), 4),
+            "sleep_median_s": med(sleeps),
+            "cycle_median_s": med(cycles),
+            "cycle_min_s": round(min(cycles), 4),
             "sleep_plus_cycle_median_s": med([a + b for a, b in zip(sleeps, cycles, strict=True)]),
-        }  # fmt: skip
+        }
         print(size, f"level {level}", out[f"level{level}"], flush=True)
     out["logprob_diff_mean"] = check_push(engine, policy, d.device)
     engine.shutdown()
@@ -91,8 +95,9 @@ def check_push(engine: rollout.VLLMEngine, policy: torch.nn.Module, device: torc
         actor.Sample(prompts[s.prompt_index], s.response_ids, s.logprobs, "length", i)
         for i, s in enumerate(out)
     ]
-    metrics = actor.compute_logprobs(policy, samples, actor.ActorConfig(), 1.0, True, 0, device)
-    return metrics["rollout/logprob_diff_mean"]
+    check = actor.PushCheck(device)
+    actor.compute_logprobs(policy, samples, actor.ActorConfig(), actor.Layout(True, 0, device), 1.0, check)
+    return check.result(tol=float("inf"), step=0)["rollout/logprob_diff_mean"]
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -1,4 +1,4 @@
-"""Policy update throughput: actor.update_policy packed (use_remove_padding + use_dynamic_bsz) against padded.
+"""Policy update throughput: grpo.py's update (actor.update with grpo.policy_loss) packed (use_remove_padding + use_dynamic_bsz) against padded.
 
 The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW), GRPO samples of random tokens:
 `--num-prompts` x n responses, prompts of `--prompt-len` tokens, responses 50/50 `--short-len` and
@@ -21,6 +21,7 @@ peak CUDA memory; perf.plan's update-phase estimate for the packed run next to i
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import tempfile
@@ -32,8 +33,10 @@ from common import Clock
 
 import actor
 import fsdp
+import grpo
 import optim
 import perf
+import rl
 import rollout
 
 
@@ -52,27 +55,20 @@ def make_samples(args: argparse.Namespace, vocab: int) -> list[actor.Sample]:
 
 def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
     """Warm-up + timed updates + one timed old-logprob pass in one layout; figures of the timed part."""
-    cfg = actor.ActorConfig(
-        ppo_mini_batch_size=args.num_prompts // args.mini_batches, use_dynamic_bsz=packed,
-        ppo_max_token_len_per_gpu=args.token_budget, ppo_micro_batch_size_per_gpu=args.micro_batch_size,
-    )  # fmt: skip
-    guard = optim.SkipGuard(10**6)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    update = lambda: actor.update_policy(  # noqa: E731
-        policy,
-        optimizer,
-        scheduler,
-        guard,
-        samples,
-        args.num_prompts,
-        cfg,
-        1.0,
-        packed,
-        0,
-        device,
-        args.long_len,
+    actor_cfg = actor.ActorConfig(
+        ppo_mini_batch_size=args.num_prompts // args.mini_batches,
+        use_dynamic_bsz=packed,
+        ppo_max_token_len_per_gpu=args.token_budget,
+        ppo_micro_batch_size_per_gpu=args.micro_batch_size,
     )
-    actor.compute_logprobs(policy, samples, cfg, 1.0, packed, 0, device)  # sets old_logprobs
+    cfg = grpo.GRPOConfig(actor=actor_cfg, data=rl.RLDataConfig(max_response_length=args.long_len))
+    layout = actor.Layout(packed, 0, device)
+    guard = optim.SkipGuard(10**6)
+    loss_fn = functools.partial(grpo.policy_loss, cfg=cfg, check=None)
+    update = lambda: actor.update(
+        policy, optimizer, guard, samples, args.num_prompts, actor_cfg, layout, loss_fn
+    )  # noqa: E731
+    actor.compute_logprobs(policy, samples, actor_cfg, layout, 1.0)  # sets old_logprobs
     update()  # warm-up
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -80,17 +76,21 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         for _ in range(args.steps):
             update()
     with Clock() as lp:
-        actor.compute_logprobs(policy, samples, cfg, 1.0, packed, 0, device)
+        actor.compute_logprobs(policy, samples, actor_cfg, layout, 1.0)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     tokens = args.steps * sum(lengths)
     shape = perf.model_shape(args.path)
     m = perf.update_metrics(shape, tokens, args.steps * sum(n * n for n in lengths), c.s, 1)
     out = {
-        "seconds": round(c.s, 3), "tokens": tokens, "tok_per_s": tokens / c.s, "mfu": m["perf/mfu"],
+        "seconds": round(c.s, 3),
+        "tokens": tokens,
+        "tok_per_s": tokens / c.s,
+        "mfu": m["perf/mfu"],
         "mfu_vs_matmul_peak": m["perf/mfu"] * perf.PEAK_FLOPS / perf.MATMUL_FLOPS_H200,
-        "mfu_attn": m["perf/mfu_attn"], "old_logprob_tok_per_s": sum(lengths) / lp.s,
-        "micro_batches": len(actor.actor_micro_batches(samples, list(range(len(samples))), cfg)),
-    }  # fmt: skip
+        "mfu_attn": m["perf/mfu_attn"],
+        "old_logprob_tok_per_s": sum(lengths) / lp.s,
+        "micro_batches": len(actor.micro_batches(samples, list(range(len(samples))), actor_cfg)),
+    }
     if torch.cuda.is_available():
         out |= {
             "peak_allocated_gib": common.gib(torch.cuda.max_memory_allocated()),
@@ -116,10 +116,11 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
     if "packed" in out and "padded" in out:
         out["packed_vs_padded"] = out["packed"]["tok_per_s"] / out["padded"]["tok_per_s"]
     plan_cfg = SimpleNamespace(
-        model=model_cfg, rollout=rollout.RolloutConfig(),
+        model=model_cfg,
+        rollout=rollout.RolloutConfig(),
         actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.long_len),
-    )  # fmt: skip
+    )
     update = perf.plan(plan_cfg, 1).phases["update"]
     estimate = sum(v for k, v in update.items() if k not in ("engine asleep", "cuda context"))
     out["plan_update_gib"] = common.gib(estimate)  # no engine here: its share is left out

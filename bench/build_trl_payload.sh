@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The TRL peer of bench_e2e.py for the H200 (no network there): the three wheels that ran TRL 1.16's colocated
 # GRPOTrainer on top of the vLLM payload, and tyro with its dependencies, which flatrl's scripts need and the
-# device lacks (../shared/gpu/README.md, "TRL as the peer"), into .gpu_trl/ (a few MB,
+# device lacks (bench/README.md), into .gpu_trl/ (a few MB,
 # git-ignored by .gitignore's /.gpu*/). Run here in the project root, then carry .gpu_trl with `bash bench/run_h200.sh 2`.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every figure of bench/README.md on one H200, in two device calls of under 10 minutes each, after vLLM 0.24 is
-# installed per ../shared/gpu/README.md (three back-to-back calls; this goes in the third or a later one):
+# installed per the workplace GPU notes (three back-to-back calls; this goes in the third or a later one):
 #
 #   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
 #   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # 5 min measured
@@ -10,7 +10,7 @@
 #
 # A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
 # 1.5B), end to end against TRL (0.5B). FLATRL_COMMIT goes into every JSON (the device's copy has no .git).
-# (the durations are estimates from the baselines in ../shared/gpu/README.md, not measurements). TRL is
+# (the durations are estimates from the device baselines in bench/README.md, not measurements). TRL is
 # optional: carry .gpu_trl/ (bench/build_trl_payload.sh) with call B and it is unpacked into /tmp/site;
 # without it bench_e2e.py reports TRL as skipped. Each bench writes one JSON file under $OUT (6 at most, plus
 # this script's log), so the files come back even when a later bench fails or the call runs out of time.

@@ -105,7 +105,7 @@ def test_compute_advantages_sets_one_number_per_sample(estimator):
     assert adv[1] > 0 > adv[0] and adv[3] > 0 > adv[2]  # the rewarded response of each pair is preferred
 
 
-def _tiny_policy(path, device: torch.device, checkpointing: bool = False):
+def _tiny_policy(path, device: torch.device, checkpointing: bool = False, lr: float = 1e-2):
     """The conftest's one-layer Qwen2 (`tiny_qwen2`) loaded as grpo.py loads a policy (FSDP2 over the one rank),
     with its AdamW and schedule."""
     import actor
@@ -114,7 +114,7 @@ def _tiny_policy(path, device: torch.device, checkpointing: bool = False):
     model, _ = actor.load(
         actor.ModelConfig(path=str(path), enable_gradient_checkpointing=checkpointing), device
     )
-    optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=4)
+    optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=lr), total_steps=4)
     return model, optimizer, scheduler
 
 
@@ -132,78 +132,103 @@ def _random_samples() -> list:
     return samples
 
 
+def _update(model, optimizer, samples, cfg, device, check=None, steps: int = 1) -> dict:
+    """`steps` calls of grpo.py's update (actor.update with grpo.policy_loss) on the 4 prompts of _random_samples."""
+    import functools
+
+    import actor
+    import optim
+
+    layout = actor.Layout(True, 0, device)
+    loss_fn = functools.partial(grpo.policy_loss, cfg=cfg, check=check)
+    for _ in range(steps):
+        m = actor.update(model, optimizer, optim.SkipGuard(5), samples, 4, cfg.actor, layout, loss_fn)
+    return m
+
+
+def _grpo_cfg(temperature: float = 1.0, **actor_kw) -> grpo.GRPOConfig:
+    import actor
+    import rl
+    import rollout
+
+    kw = dict(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3) | actor_kw
+    return grpo.GRPOConfig(
+        data=rl.RLDataConfig(max_response_length=8),
+        actor=actor.ActorConfig(**kw),
+        rollout=rollout.RolloutConfig(temperature=temperature),
+    )
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank, tiny_qwen2, temperature) -> None:
     """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
     1) moves the weights as the separate old-logprob pass does, and that forward's push check (|trainer - engine|
-    at temperature 1 over the samples with the engine's logprobs) and entropy are the pass's; with two
-    mini-batches it is refused."""
+    at temperature 1 over the samples with the engine's logprobs) and entropy are the pass's."""
     import actor
-    import optim
 
     device = one_rank.device
     samples = _random_samples()
     for i in (0, 5):  # the push check's samples: an engine that said 0 for every token
         samples[i].rollout_logprobs = [0.0] * len(samples[i].response_ids)
-    cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
+    cfg = _grpo_cfg(temperature)
+    assert actor.one_optimizer_step(cfg.actor, train_batch_size=4)
     weights, checks = [], []
     for from_update in (False, True):
-        model, optimizer, scheduler = _tiny_policy(tiny_qwen2, device)
+        model, optimizer, _ = _tiny_policy(tiny_qwen2, device)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
-        if from_update:
-            for s in samples:
-                s.old_logprobs = None
-        else:
-            checks.append(actor.compute_logprobs(model, samples, cfg, temperature, True, 0, device))
-        m = actor.update_policy(
-            model, optimizer, scheduler, optim.SkipGuard(5), samples, 4, cfg, temperature, True, 0, device,
-            norm_length=8,
-        )  # fmt: skip
+        check = actor.PushCheck(device)
+        for s in samples:
+            s.old_logprobs = None
+        if not from_update:
+            actor.compute_logprobs(
+                model, samples, cfg.actor, actor.Layout(True, 0, device), temperature, check
+            )
+        m = _update(model, optimizer, samples, cfg, device, check if from_update else None)
         assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0  # ratio 1 either way
-        assert ("rollout/logprob_diff_mean" in m) == from_update
-        if from_update:
-            checks.append(m)
+        checks.append(check.result(tol=10.0, step=0))
         weights.append([p.detach().full_tensor() for p in model.parameters()])
     moved = max(float((a - b).abs().max()) for a, b in zip(before, weights[1], strict=True))
     same = max(float((a - b).abs().max()) for a, b in zip(weights[0], weights[1], strict=True))
     assert moved > 1e-3 and same < 1e-6
     for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "actor/entropy"):
         assert checks[0][k] > 0.1 and abs(checks[0][k] - checks[1][k]) < 1e-5, (k, checks)
+    with pytest.raises(RuntimeError, match="not running the trained weights"):
+        check.result(tol=0.01, step=0)  # an engine that said 0 for every token is not the trainer
 
-    two_steps = actor.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=3)
-    with pytest.raises(RuntimeError, match="no longer the old ones"):
-        actor.update_policy(
-            model, optimizer, scheduler, optim.SkipGuard(5), samples, 4, two_steps, 1.0, True, 0, device,
-            norm_length=8,
-        )  # fmt: skip
+
+def test_push_check_refuses_an_unchecked_step(one_rank, tiny_qwen2) -> None:
+    """No sample carries the engine's logprobs (or the pass saw none): the push would go unchecked, an error."""
+    import actor
+
+    device = one_rank.device
+    model, optimizer, _ = _tiny_policy(tiny_qwen2, device)
+    check = actor.PushCheck(device)
+    _update(model, optimizer, _random_samples(), _grpo_cfg(), device, check)
+    with pytest.raises(RuntimeError, match="cannot be checked"):
+        check.result(tol=1.0, step=0)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_update_policy_recomputes_with_checkpointing_and_leaves_eval_mode(
-    one_rank, tiny_qwen2, checkpointing
-):
+def test_update_recomputes_with_checkpointing_and_leaves_eval_mode(one_rank, tiny_qwen2, checkpointing):
     """from_pretrained returns a model in eval mode, and Hugging Face decoder layers recompute only in train mode:
-    update_policy trains in train mode (with checkpointing each layer runs twice per micro-batch: forward, then
+    actor.update trains in train mode (with checkpointing each layer runs twice per micro-batch: forward, then
     again in the backward pass), and leaves eval mode behind, also on an error; compute_logprobs runs in eval."""
     import actor
-    import optim
 
     device = one_rank.device
-    model, optimizer, scheduler = _tiny_policy(tiny_qwen2, device, checkpointing)
+    model, optimizer, _ = _tiny_policy(tiny_qwen2, device, checkpointing)
     samples = _random_samples()
-    samples[0].rollout_logprobs = [0.0] * len(samples[0].response_ids)  # compute_logprobs needs one
-    cfg = actor.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
-    n_micro = len(actor.actor_micro_batches(samples, list(range(len(samples))), cfg))
+    cfg = _grpo_cfg()
+    n_micro = len(actor.micro_batches(samples, list(range(len(samples))), cfg.actor))
     assert n_micro == 3  # 8 samples, 3 a micro-batch
     modes = []  # the layer's training flag at each call (a pre-hook: a recompute stops before the end)
     model.model.layers[0].register_forward_pre_hook(lambda m, args: modes.append(m.training))
 
     model.train()  # whatever mode it is left in, the logprob pass runs in eval
-    actor.compute_logprobs(model, samples, cfg, 1.0, True, 0, device)
+    actor.compute_logprobs(model, samples, cfg.actor, actor.Layout(True, 0, device), 1.0)
     assert modes == [False] * n_micro
     modes.clear()
-    args = (optimizer, scheduler, optim.SkipGuard(5), samples, 4, cfg, 1.0, True, 0, device)
-    actor.update_policy(model, *args, norm_length=8)
+    _update(model, optimizer, samples, cfg, device)
     assert modes == [True] * n_micro * (2 if checkpointing else 1)
     assert not any(m.training for m in model.modules())
 
@@ -212,14 +237,68 @@ def test_update_policy_recomputes_with_checkpointing_and_leaves_eval_mode(
 
     model.model.layers[0].register_forward_pre_hook(fail)
     with pytest.raises(RuntimeError, match="boom"):
-        actor.update_policy(model, *args, norm_length=8)
+        _update(model, optimizer, samples, cfg, device)
     assert not any(m.training for m in model.modules())
+
+
+def test_gspo_surrogate_by_hand():
+    """Two sequences; old logprobs 0, so the log-ratios are the logprobs. Sequence 0 (2 tokens, A = 1): mean log-ratio
+    (0.1 + 0.3) / 2 = 0.2, s = e^0.2 = 1.2214 > 1 + 0.2: clipped, every token's loss -1.2. Sequence 1 (1 token,
+    A = -1): s = e^-0.1 = 0.9048, inside: loss 0.9048, gradient d/dlogprob (-A s) = s."""
+    import actor
+
+    logprobs = torch.tensor([[0.1, 0.3], [-0.1, 5.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    pg, clipped = grpo.gspo_surrogate(logprobs, torch.zeros(2, 2), adv, mask, actor.ActorConfig())
+    s1 = math.exp(-0.1)
+    torch.testing.assert_close(pg * mask, torch.tensor([[-1.2, -1.2], [s1, 0.0]]))
+    assert clipped[0].all() and not clipped[1, 0]
+    loss = losses.agg_loss(pg, mask, "seq-mean-token-mean")  # (-1.2 + s1) / 2
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0], [s1 / 2, 0.0]]))
+
+
+def test_gspo_is_a_change_to_grpo_py_alone(one_rank, tiny_qwen2) -> None:
+    """actor.policy_loss.loss_mode=gspo: the same loop (actor.update) with grpo.py's other surrogate. Off policy
+    (old logprobs from before two earlier updates), GSPO's clip decisions are per sequence: a sequence's tokens are
+    all clipped or none is; PPO-clip's are per token, and it clips a different share. Both move the weights."""
+    import actor
+
+    device = one_rank.device
+    samples = _random_samples()
+    fractions = {}
+    for mode in ("vanilla", "gspo"):
+        cfg = _grpo_cfg(
+            policy_loss=actor.PolicyLossConfig(loss_mode=mode), clip_ratio_low=0.1, clip_ratio_high=0.1
+        )
+        model, optimizer, _ = _tiny_policy(tiny_qwen2, device, lr=1e-3)  # log-ratios of ~0.06 a step
+        actor.compute_logprobs(model, samples, cfg.actor, actor.Layout(True, 0, device), 1.0)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        _update(model, optimizer, samples, cfg, device, steps=2)  # the second step is off policy
+        after = [p.detach().full_tensor() for p in model.parameters()]
+        moved = max(float((a - b).abs().max()) for a, b in zip(before, after, strict=True))
+        assert moved > 1e-4, (mode, moved)
+        # the clip decision per token after those steps, from the surrogate alone
+        mb = actor.MicroBatch.of(samples, actor.Layout(True, 0, device))
+        with torch.no_grad():
+            lp, _ = actor.forward(model, mb, 1.0)
+        surrogate = grpo.gspo_surrogate if mode == "gspo" else grpo.clipped_surrogate
+        args = (mb.mask, cfg.actor) if mode == "gspo" else (cfg.actor,)
+        clipped = surrogate(lp, mb.per_token("old_logprobs"), mb.per_token("advantages"), *args)[1].float()
+        per_seq = [set(clipped[j, :L].tolist()) for j, L in enumerate(mb.lengths)]
+        mixed = sum(len(v) > 1 for v in per_seq)
+        fractions[mode] = float(losses.masked_mean(clipped, mb.mask))
+        assert (mixed == 0) if mode == "gspo" else (mixed > 0), (mode, per_seq)
+        for s in samples:
+            s.old_logprobs = None
+    assert 0 < fractions["gspo"] < 1 and fractions["gspo"] != fractions["vanilla"], fractions
 
 
 def test_micro_batch_inputs_match_the_mask_path_and_build_without_a_device_sync() -> None:
     """actor.collate's host-built labels, label mask and response index give response_matrix what the model's
-    label mask selects (both layouts); on CUDA, collate, response_matrix, mask_of, padded and the policy loss of
-    a micro-batch run under torch.cuda.set_sync_debug_mode("error"), so none of them waits for the GPU."""
+    label mask selects (both layouts); on CUDA, collate, response_matrix, mask_of, padded and the policy surrogate
+    of a micro-batch run under torch.cuda.set_sync_debug_mode("error"), so none of them waits for the GPU."""
     import actor
 
     gen = torch.Generator().manual_seed(2)
@@ -231,7 +310,7 @@ def test_micro_batch_inputs_match_the_mask_path_and_build_without_a_device_sync(
         samples[-1].old_logprobs = -torch.rand(L, generator=gen)
     lens = [len(s.response_ids) for s in samples]
     for packed in (False, True):
-        b = actor.collate(samples, [0, 1, 2], packed, 0, torch.device("cpu"))
+        b = actor.collate(samples, actor.Layout(packed, 0, torch.device("cpu")))
         values = torch.randn(b["labels"].shape, generator=gen)
         want = torch.zeros(3, max(lens))
         flat = values[b["label_mask"].bool()]
@@ -246,15 +325,13 @@ def test_micro_batch_inputs_match_the_mask_path_and_build_without_a_device_sync(
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        b = actor.collate(samples, [0, 1, 2], True, 0, device)
-        lp = actor.response_matrix(torch.randn(b["labels"].shape, device=device), b["response_index"], lens)
-        mask = actor.mask_of(lens, device)
-        old = actor.padded([s.old_logprobs for s in samples], max(lens), device)
-        adv = actor.padded([s.advantages for s in samples], max(lens), device) * mask
-        loss, metrics = losses.policy_loss(
-            lp, old, adv, mask, 0.2, 0.2, 3.0, "token-mean", global_tokens=sum(lens)
+        mb = actor.MicroBatch.of(
+            samples, actor.Layout(True, 0, device), global_tokens=sum(lens), global_seqs=3
         )
-        total = loss.detach() + sum(metrics.values())
+        lp = mb.rows(torch.randn(mb.inputs["labels"].shape, device=device))
+        old, adv = mb.per_token("old_logprobs"), mb.per_token("advantages")
+        pg, clipped, dual = grpo.clipped_surrogate(lp, old, adv, actor.ActorConfig())
+        total = losses.agg_loss(pg, mb.mask, global_tokens=mb.global_tokens) + mb.token_mean(clipped.float())
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert math.isfinite(float(total))
@@ -264,7 +341,9 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
     """rl.score_in_background: the reward pool scores while this thread works (each side sees the other's start
     before it finishes), the scores land on the samples, and the wait returns the merged reward metrics; an error
     of the scoring is raised by the wait."""
+    import concurrent.futures
     import threading
+    from types import SimpleNamespace
 
     import actor
     import rl
@@ -281,9 +360,10 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
         def batch_decode(self, ids, skip_special_tokens=True):
             return ["x" * len(one) for one in ids]
 
+    run = SimpleNamespace(pool=Pool(), tokenizer=Tok(), scorer=concurrent.futures.ThreadPoolExecutor(1))
     prompts = [dict(data_source="d", raw_prompt="p", ground_truth="g", extra_info={}) for _ in range(2)]
     samples = [actor.Sample([1], [2] * (k + 1), None, "stop", k % 2) for k in range(4)]
-    wait = rl.score_in_background(Pool(), samples, prompts, Tok())
+    wait = rl.score_in_background(run, samples, prompts)
     passes.set()  # "the old-logprob pass": running while the scoring waits for it
     assert scoring.wait(timeout=30)
     metrics = wait()
@@ -294,5 +374,44 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
         def score(self, items):
             raise ValueError("reward function crashed")
 
+    run.pool = Broken()
     with pytest.raises(ValueError, match="crashed"):
-        rl.score_in_background(Broken(), samples, prompts, Tok())()
+        rl.score_in_background(run, samples, prompts)()
+
+
+def test_val_only_evaluates_without_a_training_sampler_and_keeps_the_generations(one_rank, toy_dir, tmp_path):
+    """--trainer.val_only on the untrained toy model (the hf engine, in process): no training sampler is built (a
+    batch larger than the training set used to stop it), and RUN/val_generations/step_0.jsonl holds every
+    validation response with its score (a custom reward: the response's length in characters, mod 3), whose mean
+    is the logged val/reward/mean."""
+    import json
+
+    import rl
+    import rollout
+
+    fn = tmp_path / "length_reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3)\n"
+    )
+    run_dir = tmp_path / "val"
+    cfg = grpo.GRPOConfig(
+        data=rl.RLDataConfig(
+            train_files=str(toy_dir / "rl/train.parquet"),
+            val_files=str(toy_dir / "rl/val.parquet"),
+            train_batch_size=10**6,
+            max_prompt_length=32,
+            max_response_length=8,
+        ),
+        model=grpo.actor.ModelConfig(path=str(toy_dir / "model")),
+        rollout=rollout.RolloutConfig(name="hf"),
+        custom_reward_function=rl.RewardConfig(path=str(fn), num_workers=0),
+        trainer=rl.RLTrainerConfig(default_local_dir=str(run_dir), val_only=True, logger=["jsonl"]),
+    )
+    results = grpo.main(cfg)
+    rows = [json.loads(line) for line in (run_dir / "val_generations/step_0.jsonl").read_text().splitlines()]
+    assert len(rows) == 200  # toy.py's n_val
+    assert {"prompt", "response", "ground_truth", "score"} <= set(rows[0])
+    assert all(r["score"] == len(r["response"]) % 3 for r in rows)
+    mean = sum(r["score"] for r in rows) / len(rows)
+    assert abs(results["val/reward/mean"] - mean) < 1e-9

@@ -89,10 +89,19 @@ def test_global_normalisation_of_halves_sums_to_whole(mode):
         assert abs(unnormed.item() - whole.item()) > 1e-3
 
 
-# ---------------------------------------------------------------- policy loss
+# ---------------------------------------------------------------- policy loss (grpo.py's and ppo.py's copies)
 
 
-def test_policy_loss_clip_higher_and_dual_clip():
+def _surrogate(module, logprobs, adv, low=0.2, high=0.28, c=3.0):
+    import actor
+
+    cfg = actor.ActorConfig(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)
+    return module.clipped_surrogate(logprobs, torch.zeros_like(logprobs), adv, cfg)
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_policy_loss_clip_higher_and_dual_clip(script):
+    module = __import__(script)
     # clip_ratio_low 0.2, high 0.28, c 3. r = exp(logprobs - old_logprobs); loss = max(-A r, -A clip(r)).
     ratio = torch.tensor([[1.5, 0.5, 1.1], [0.5, 4.0, math.e**5]])
     adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, -1.0, 2.0]])
@@ -101,41 +110,59 @@ def test_policy_loss_clip_higher_and_dual_clip():
     # (0,1) A>0, r=0.5 below 0.8: max(-0.5, -0.8) = -0.5, unclipped (A>0 is only clipped above)
     # (0,2) A<0, r=1.1 inside: 1.1, dual bound 3 not hit
     # (1,0) A<0, r=0.5: max(0.5, 0.8) = 0.8, clipped
-    # (1,1) A<0, r=4: max(4, 1.28) = 4 > 3 -> dual clip gives 3, counted in clipfrac_lower only
+    # (1,1) A<0, r=4: max(4, 1.28) = 4 > 3 -> dual clip gives 3, counted as dual only
     # (1,2) masked
     logprobs = ratio.log().requires_grad_(True)
-    loss, m = losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask, 0.2, 0.28, 3.0)
+    pg, clipped, dual = _surrogate(module, logprobs, adv)
+    loss = losses.agg_loss(pg, mask)
     close(loss, (-1.28 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
-    close(m["pg_clipfrac"], 2 / 5)
-    close(m["pg_clipfrac_lower"], 1 / 5)
-    close(m["ppo_kl"], -math.log(1.5 * 0.5 * 1.1 * 0.5 * 4.0) / 5)  # mean of old - new = -log r
+    close(losses.masked_mean(clipped.float(), mask), 2 / 5)
+    close(losses.masked_mean(dual.float(), mask), 1 / 5)
     # d loss / d logprob = -A r / 5 on the unclipped tokens, 0 where a clip or the dual bound is active
     (grad,) = torch.autograd.grad(loss, logprobs)
     close(grad, [[0.0, -0.5 / 5, 1.1 / 5], [0.0, 0.0, 0.0]])
     # symmetric clip 0.2: (0,0) is now clipped at 1.2 -> -1.2
-    loss_sym, _ = losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask)
-    close(loss_sym, (-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
-    with pytest.raises(ValueError):
-        losses.policy_loss(logprobs, torch.zeros(2, 3), adv, mask, clip_ratio_c=1.0)
+    close(
+        losses.agg_loss(_surrogate(module, logprobs, adv, high=0.2)[0], mask),
+        (-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5,
+    )
 
 
-def test_policy_loss_forwards_aggregation():
+def test_grpo_and_ppo_objectives_agree_on_random_inputs():
+    """The PPO-clip surrogate is written twice (grpo.py, ppo.py) so that a fork edits one file: the copies agree."""
+    import grpo
+    import ppo
+
+    g = torch.Generator().manual_seed(0)
+    logprobs, adv = torch.randn(6, 9, generator=g), torch.randn(6, 9, generator=g) * 2
+    a, b = _surrogate(grpo, logprobs, adv), _surrogate(ppo, logprobs, adv)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert a[1].any() and a[2].any()  # both clips were exercised
+
+
+def test_dual_clip_bound_must_exceed_one():
+    import actor
+
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        actor.ActorConfig(clip_ratio_c=1.0)
+
+
+def test_agg_loss_modes_on_an_on_policy_surrogate():
+    import grpo
+
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
     adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    # on-policy (r = 1): per-token loss = -A -> S = (-2, 2), n = (2, 1)
-    loss, _ = losses.policy_loss(logprobs, logprobs, adv, mask, loss_agg_mode="seq-mean-token-mean")
-    close(loss, (-2 / 2 + 2 / 1) / 2)
-    loss, _ = losses.policy_loss(logprobs, logprobs, adv, mask, global_tokens=6.0)
-    close(loss, 0.0 / 6)
-    loss, _ = losses.policy_loss(
-        logprobs, logprobs, adv, mask, loss_agg_mode="seq-mean-token-sum", global_seqs=4
-    )
-    close(loss, 0.0)
-    loss, _ = losses.policy_loss(
-        logprobs, logprobs, adv.abs(), mask, loss_agg_mode="seq-mean-token-sum", global_seqs=4
-    )
-    close(loss, (-2 - 2) / 4)
+    import actor
+
+    pg = grpo.clipped_surrogate(logprobs, logprobs, adv, actor.ActorConfig())[0]  # r = 1: per-token loss = -A
+    # S = (-2, 2), n = (2, 1)
+    close(losses.agg_loss(pg, mask, "seq-mean-token-mean"), (-2 / 2 + 2 / 1) / 2)
+    close(losses.agg_loss(pg, mask, global_tokens=6.0), 0.0 / 6)
+    close(losses.agg_loss(pg, mask, "seq-mean-token-sum", global_seqs=4), 0.0)
+    pg_abs = grpo.clipped_surrogate(logprobs, logprobs, adv.abs(), actor.ActorConfig())[0]
+    close(losses.agg_loss(pg_abs, mask, "seq-mean-token-sum", global_seqs=4), (-2 - 2) / 4)
 
 
 # ---------------------------------------------------------------- KL
@@ -166,26 +193,6 @@ def test_kl_straight_through_has_k3_value_and_k2_gradient():
     close(kl, losses.kl_penalty(logprobs, ref, "k3").detach())
     (grad,) = torch.autograd.grad(kl.sum(), logprobs)
     close(grad, [[0.5, -1.0, 0.0]])  # d/dlogprobs of d^2/2 = d
-
-
-# ---------------------------------------------------------------- value loss
-
-
-def test_value_loss_clipping():
-    # cliprange 0.5. (0,0): v 1 clipped to 0.5, R 2: max(1, 2.25) = 2.25, clipped term wins
-    # (0,1): v 0.2 inside, R 1: 0.64 both.  (1,0): v 2 clipped to 1.5, R 1: max(1, 0.25) = 1.  (1,1): masked
-    vpreds = torch.tensor([[1.0, 0.2], [2.0, 9.0]], requires_grad=True)
-    values = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
-    returns = torch.tensor([[2.0, 1.0], [1.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss, clipfrac = losses.value_loss(vpreds, returns, values, mask, 0.5)
-    close(loss, 0.5 * (2.25 + 0.64 + 1.0) / 3)
-    close(clipfrac, 1 / 3)
-    # gradient 0.5 * 2 (v - R) / 3 where the unclipped term is active, 0 where the clipped one is
-    (grad,) = torch.autograd.grad(loss, vpreds)
-    close(grad, [[0.0, (0.2 - 1.0) / 3], [(2.0 - 1.0) / 3, 0.0]])
-    loss, _ = losses.value_loss(vpreds, returns, values, mask, 0.5, "seq-mean-token-sum")
-    close(loss, 0.5 * ((2.25 + 0.64) + 1.0) / 2)
 
 
 # ---------------------------------------------------------------- logprobs and entropy

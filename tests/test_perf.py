@@ -43,7 +43,7 @@ def test_flops_by_hand_for_qwen2_5_0_5b():
 
 def test_mfu_arithmetic_matches_the_h200_baseline():
     s = perf.ModelShape.from_config(Qwen2Config(**QWEN05))
-    # ../shared/gpu/README.md: 84k tokens/s of a plain transformers step on the 0.5B shape is 25% of 989 TF/s
+    # bench/README.md, device baselines: 84k tokens/s of a plain transformers step on the 0.5B shape is 25% of 989 TF/s
     m = perf.update_metrics(s, tokens=84_000, sum_sq_lengths=0, seconds=1.0, world_size=1)
     assert (
         m["perf/mfu"] == pytest.approx(6 * 493_961_216 * 84_000 / 989e12) and round(m["perf/mfu"], 2) == 0.25
@@ -271,7 +271,7 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
         model=grpo_cfg.model,
         actor=grpo_cfg.actor,
         rollout=grpo_cfg.rollout,
-        data=rl.DataConfig(max_prompt_length=256, max_response_length=512),
+        data=rl.RLDataConfig(max_prompt_length=256, max_response_length=512),
         critic=ppo.CriticConfig(ppo_micro_batch_size_per_gpu=4),
         algorithm=ppo.AlgorithmConfig(use_kl_in_reward=True),
     )

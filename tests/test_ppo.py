@@ -116,12 +116,47 @@ def test_adaptive_kl_controller_by_hand():
         ppo.KLController(ppo.KLControlConfig(type="adaptive", horizon=0))
 
 
+def test_value_loss_clipping():
+    """ppo.value_loss by hand, through a stand-in critic whose values at the response positions are vpreds.
+    cliprange 0.5. (0,0): v 1 clipped to 0.5, R 2: max(1, 2.25) = 2.25, the clipped term wins; (0,1): v 0.2
+    inside, R 1: 0.64 both; (1,0): v 2 clipped to 1.5, R 1: max(1, 0.25) = 1; (1,1): past the response."""
+    from types import SimpleNamespace
+
+    import actor
+
+    vpreds = torch.tensor([[1.0, 0.2], [2.0, 9.0]], requires_grad=True)
+    samples = [actor.Sample([5], [6, 7], None, "stop", 0), actor.Sample([5], [6], None, "stop", 0)]
+    samples[0].values, samples[0].returns = torch.tensor([0.0, 0.0]), torch.tensor([2.0, 1.0])
+    samples[1].values, samples[1].returns = torch.tensor([1.0]), torch.tensor([1.0])
+    mb = actor.MicroBatch.of(
+        samples, actor.Layout(False, 0, torch.device("cpu")), global_tokens=3, global_seqs=2
+    )
+
+    def critic(**inputs):  # [B, T, 1] logits whose response positions hold vpreds
+        values = torch.zeros(inputs["input_ids"].shape)
+        values = values.reshape(-1).index_put((mb.inputs["response_index"],), vpreds[mb.mask.bool()])
+        return SimpleNamespace(logits=values.reshape(inputs["input_ids"].shape)[..., None])
+
+    cfg = ppo.PPOConfig(critic=ppo.CriticConfig(cliprange_value=0.5))
+    loss, m = ppo.value_loss(critic, mb, cfg)
+    assert abs(float(loss) - 0.5 * (2.25 + 0.64 + 1.0) / 3) < 1e-6
+    assert abs(float(m["critic/vf_clipfrac"]) - 1 / 3) < 1e-6
+    # gradient 0.5 * 2 (v - R) / 3 where the unclipped term is active, 0 where the clipped one is
+    (grad,) = torch.autograd.grad(loss, vpreds)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, (0.2 - 1.0) / 3], [(2.0 - 1.0) / 3, 0.0]]))
+    cfg = ppo.PPOConfig(critic=ppo.CriticConfig(cliprange_value=0.5, loss_agg_mode="seq-mean-token-sum"))
+    assert abs(float(ppo.value_loss(critic, mb, cfg)[0]) - 0.5 * ((2.25 + 0.64) + 1.0) / 2) < 1e-6
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_update_critic_recomputes_with_checkpointing_and_leaves_eval_mode(
     one_rank, tiny_qwen2, checkpointing
 ):
-    """As update_policy (tests/test_grpo.py): the critic's update runs in train mode, so with checkpointing each
-    decoder layer runs twice per micro-batch; compute_values and what follows run in eval mode."""
+    """As the policy's (tests/test_grpo.py): the critic's update (actor.update with ppo.value_loss) runs in train
+    mode, so with checkpointing each decoder layer runs twice per micro-batch; compute_values and what follows run
+    in eval mode."""
+    import functools
+
     import actor
     import optim
 
@@ -135,19 +170,24 @@ def test_update_critic_recomputes_with_checkpointing_and_leaves_eval_mode(
         for _ in range(2):
             ids = torch.randint(1, 64, (5 + int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen)
             samples.append(actor.Sample(ids[:5].tolist(), ids[5:].tolist(), None, "stop", g))
-    cfg = ppo.CriticConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3)
+    cfg = ppo.PPOConfig(critic=ppo.CriticConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=3))
+    layout = actor.Layout(True, 0, device)
     modes = []  # the layer's training flag at each call (a pre-hook: a recompute stops before the end)
     critic.model.layers[0].register_forward_pre_hook(lambda m, args: modes.append(m.training))
 
     critic.train()  # whatever mode it is left in, the value pass runs in eval
-    ppo.compute_values(critic, samples, cfg, True, 0, device)
+    ppo.compute_values(critic, samples, cfg.critic, layout)
     assert modes == [False] * 3  # 8 samples, 3 a micro-batch
     modes.clear()
     for s in samples:
         s.returns = torch.rand(len(s.response_ids), generator=gen)
-    metrics = ppo.update_critic(
-        critic, optimizer, optim.SkipGuard(5), samples, 4, cfg, True, 0, device, norm_length=8
-    )
-    assert metrics["critic/vf_loss"] > 0
-    assert modes == [True] * 3 * (2 if checkpointing else 1)
+    loss_fn = functools.partial(ppo.value_loss, cfg=cfg)
+    losses_seen = []
+    for _ in range(3):
+        m = actor.update(
+            critic, optimizer, optim.SkipGuard(5), samples, 4, cfg.critic, layout, loss_fn, "critic/"
+        )
+        losses_seen.append(m["critic/vf_loss"])
+    assert losses_seen[0] > 0 and losses_seen[2] < losses_seen[0], losses_seen  # it fits the returns
+    assert modes == [True] * 3 * 3 * (2 if checkpointing else 1)
     assert not any(m.training for m in critic.modules())

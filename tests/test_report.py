@@ -111,12 +111,15 @@ def test_rl_close_writes_a_report(tmp_path):
     for rank in (1, 0):
         run_dir = synthetic_run(tmp_path / f"rank{rank}")
         fake = types.SimpleNamespace(
-            logger=None, pool=types.SimpleNamespace(close=lambda: closed.append("pool")),
-            dist=types.SimpleNamespace(rank=rank), run_dir=run_dir,
-            cfg=grpo.GRPOConfig(trainer=rl.TrainerConfig(default_local_dir=str(run_dir))),
-        )  # fmt: skip
+            logger=None,
+            pool=types.SimpleNamespace(close=lambda: closed.append("pool")),
+            scorer=types.SimpleNamespace(shutdown=lambda wait: closed.append("scorer")),
+            dist=types.SimpleNamespace(rank=rank),
+            run_dir=run_dir,
+            cfg=grpo.GRPOConfig(trainer=rl.RLTrainerConfig(default_local_dir=str(run_dir))),
+        )
         rl.close(fake, None)
         assert (run_dir / "report.md").exists() == (rank == 0)
     text = (tmp_path / "rank0" / "report.md").read_text()
-    assert closed == ["pool", "pool"] and "| reward/mean | 3 | 0.3 |" in text
+    assert closed == ["scorer", "pool"] * 2 and "| reward/mean | 3 | 0.3 |" in text
     assert f"  default_local_dir: {tmp_path / 'rank0'}" in text

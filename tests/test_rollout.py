@@ -105,21 +105,20 @@ def max_logprob_err(model: torch.nn.Module, samples: list[rollout.Sample], promp
 
 
 def push_check(engine: rollout.Engine, trainer: torch.nn.Module, tol: float = 1e-3) -> dict[str, float]:
-    """rl.make_experience's push check on fresh samples of SIX: the trainer's logprobs (actor.compute_logprobs)
-    against the engine's, then rl.check_push at `tol` (fp32 on CPU agrees to ~1e-6). Needs a one-rank process
-    group: the `one_rank` fixture's, or the one an in-process vLLM engine made."""
+    """grpo.py's push check on fresh samples of SIX: the trainer's logprobs (actor.compute_logprobs feeding an
+    actor.PushCheck) against the engine's, then PushCheck.result at `tol` (fp32 on CPU agrees to ~1e-6). Needs a
+    one-rank process group: the `one_rank` fixture's, or the one an in-process vLLM engine made."""
     import torch.distributed as dist
 
     import actor
     import rl
 
     assert dist.is_initialized() and dist.get_world_size() == 1
-    samples = rl.generate(engine, [{"prompt_ids": p} for p in SIX], rollout.SamplingConfig(n=2), 10, seed=3)
-    metrics = actor.compute_logprobs(
-        trainer, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu")
-    )
-    rl.check_push(metrics, rollout.RolloutConfig(logprob_diff_tol=tol), step=0)
-    return metrics
+    samples = rl.sample(engine, [{"prompt_ids": p} for p in SIX], rollout.SamplingConfig(n=2), 10, seed=3)
+    cpu = torch.device("cpu")
+    check = actor.PushCheck(cpu)
+    actor.compute_logprobs(trainer, samples, actor.ActorConfig(), actor.Layout(False, 0, cpu), 1.0, check)
+    return check.result(tol, step=0)
 
 
 def assert_subset_and_check_catches_stale(engine: rollout.Engine, tiny: Path, tol: float) -> None:
@@ -160,15 +159,20 @@ def test_push_check_refuses_samples_without_engine_logprobs(one_rank) -> None:
     import actor
 
     torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     model = Qwen2ForCausalLM(
-        Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    ).eval()  # fmt: skip
+        Qwen2Config(vocab_size=VOCAB, num_key_value_heads=1, head_dim=16, **shape)
+    ).eval()
+    cpu = torch.device("cpu")
     samples = [actor.Sample([5, 6], [7, 8, 9], None, "length", 0) for _ in range(2)]
+    check = actor.PushCheck(cpu)
+    actor.compute_logprobs(model, samples, actor.ActorConfig(), actor.Layout(False, 0, cpu), 1.0, check)
     with pytest.raises(RuntimeError, match="no sample carries the engine's logprobs"):
-        actor.compute_logprobs(model, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu"))
+        check.result(tol=1.0, step=0)
     samples[1].rollout_logprobs = [0.0, 0.0, 0.0]  # one sample does: the diff is over it alone
-    m = actor.compute_logprobs(model, samples, actor.ActorConfig(), 1.0, False, 0, torch.device("cpu"))
+    check = actor.PushCheck(cpu)
+    actor.compute_logprobs(model, samples, actor.ActorConfig(), actor.Layout(False, 0, cpu), 1.0, check)
+    m = check.result(tol=10.0, step=0)
     lp = samples[1].old_logprobs
     assert abs(m["rollout/logprob_diff_mean"] - float(lp.abs().mean())) < 1e-6
     assert samples[0].old_logprobs is not None  # every sample still gets the trainer's old logprobs
