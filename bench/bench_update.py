@@ -21,10 +21,12 @@ peak CUDA memory; perf.plan's update-phase estimate for the packed run next to i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import random
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import common
@@ -53,6 +55,19 @@ def make_samples(args: argparse.Namespace, vocab: int) -> list[actor.Sample]:
     return samples
 
 
+@contextlib.contextmanager
+def profiled(on: bool):
+    """torch.profiler over the block (CPU and CUDA activity) when `on`, else nothing; yields the profiler or None."""
+    if not on:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield prof
+
+
 def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
     """Warm-up + timed updates + one timed old-logprob pass in one layout; figures of the timed part."""
     actor_cfg = actor.ActorConfig(
@@ -72,7 +87,7 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
     update()  # warm-up
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with Clock() as c:
+    with Clock() as c, profiled(args.profile) as prof:
         for _ in range(args.steps):
             update()
     with Clock() as lp:
@@ -91,6 +106,10 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         "old_logprob_tok_per_s": sum(lengths) / lp.s,
         "micro_batches": len(actor.micro_batches(samples, list(range(len(samples))), actor_cfg)),
     }
+    if prof is not None:  # where the update's time goes: the top operators by their own device (or CPU) time
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        out["profile_top"] = prof.key_averages().table(sort_by=key, row_limit=15)
+        print(out["profile_top"], flush=True)
     if torch.cuda.is_available():
         out |= {
             "peak_allocated_gib": common.gib(torch.cuda.max_memory_allocated()),
@@ -101,8 +120,14 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
 
 def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> dict:
     """packed and padded runs of one model size, and the plan of the packed one."""
-    args.path = str(common.build_model(size, f"{work}/{size}"))
-    model_cfg = actor.ModelConfig(path=args.path)
+    # A model folder (e.g. the real SmolLM2-135M-Instruct, scripts/get_smollm2.py) or a built random shape.
+    args.path = size if Path(size).is_dir() else str(common.build_model(size, f"{work}/{size}"))
+    model_cfg = actor.ModelConfig(
+        path=args.path,
+        lora_rank=args.lora_rank,
+        lora_alpha=2.0 * args.lora_rank,
+        enable_gradient_checkpointing=args.gradient_checkpointing,
+    )
     policy, _ = actor.load(model_cfg, d.device)
     optimizer, _ = optim.build(policy.parameters(), actor.ActorConfig().optim, total_steps=100)
     samples = make_samples(args, perf.model_shape(args.path).vocab)
@@ -135,6 +160,7 @@ def main(args: argparse.Namespace) -> dict:
     sizes = common.per_size(args.sizes, lambda size: bench_size(size, args, d, work))
     settings = {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "short_len", "long_len")}
     settings |= {k: getattr(args, k) for k in ("token_budget", "micro_batch_size", "steps", "mini_batches")}
+    settings |= {k: getattr(args, k) for k in ("lora_rank", "gradient_checkpointing")}
     result = {
         "bench": "update",
         "sizes": sizes,
@@ -148,7 +174,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: toy, 0.5b, 1.5b")
+    p.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: toy, 0.5b, 1.5b, or model folders")
     p.add_argument("--toy", action="store_true", help="CPU smoke run on the toy model")
     p.add_argument("--modes", default="packed,padded")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -160,6 +186,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=16, help="padded: responses per micro-batch")
     p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per update")
     p.add_argument("--steps", type=int, default=2, help="timed updates per mode")
+    p.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (alpha 2 x rank)"
+    )
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print (and keep) torch.profiler's top operators")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
