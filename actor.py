@@ -160,7 +160,7 @@ class Sample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    rollout_logprobs: list[float] | None  # the engine's, temperature 1; None: not a checked prompt's
+    rollout_logprobs: list[float] | None  # [L] the engine's, temperature 1; None: not a checked prompt's
     finish_reason: str
     group: int  # index of its prompt in this rank's share of the step's prompts
     score: float = 0.0

@@ -41,6 +41,7 @@ Where it deviates from verl's ray_trainer + dp_actor:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +66,14 @@ class AlgorithmConfig:
     """GRPO divides by the group's std; False is Dr. GRPO."""
     kl_penalty: str = "kl"
     """KL estimator for a KL-in-reward penalty (ppo.py); accepted here so verl configs load."""
+    rollout_is_threshold: float | None = None
+    """Rollout importance sampling (verl's algorithm.rollout_is_threshold; TIS, TRL's
+    vllm_importance_sampling_cap): the engine samples from its own bf16 numbers, not the trainer's, and each
+    token's weight pi_trainer / pi_engine, truncated at this value, measures (mismatch/* metrics) and, with
+    rollout_is, corrects that. None: off. Needs every sample's engine logprobs (rollout.logprob_check_prompts=-1)
+    at rollout.temperature 1 (the engine reports temperature-1 logprobs)."""
+    rollout_is: bool = False
+    """Multiply each token's policy loss by its truncated weight; False: the mismatch/* metrics only."""
 
 
 @dataclass(frozen=True)
@@ -203,14 +212,23 @@ def policy_loss(
         global_tokens=mb.global_tokens, global_seqs=mb.global_seqs, norm_length=cfg.data.max_response_length
     )
     agg = lambda x, mode=a.loss_agg_mode: losses.agg_loss(x, mb.mask, mode, **norm)  # noqa: E731
+    metrics = {}
     if a.policy_loss.loss_mode == "gspo":  # a sequence-level objective: every sequence weighs the same (verl)
         pg, clipped = gspo_surrogate(logprobs, old, adv, mb.mask, a)
-        loss = pg_loss = agg(pg, "seq-mean-token-mean")
         dual = torch.zeros_like(clipped)
     else:
         pg, clipped, dual = clipped_surrogate(logprobs, old, adv, a)
-        loss = pg_loss = agg(pg)
-    metrics = {
+    if cfg.algorithm.rollout_is_threshold is not None:  # the trainer's and the engine's numbers differ (TIS)
+        log_w = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
+        w = torch.exp(torch.clamp(log_w, max=math.log(cfg.algorithm.rollout_is_threshold)))
+        metrics["mismatch/rollout_is_mean"] = mb.token_mean(w)
+        high = log_w > math.log(cfg.algorithm.rollout_is_threshold)
+        metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
+        metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
+        if cfg.algorithm.rollout_is:
+            pg = pg * w.detach()
+    loss = pg_loss = agg(pg, "seq-mean-token-mean") if a.policy_loss.loss_mode == "gspo" else agg(pg)
+    metrics |= {
         "actor/pg_loss": pg_loss.detach(),
         "actor/pg_clipfrac": mb.token_mean(clipped.float()),
         "actor/pg_clipfrac_lower": mb.token_mean(dual.float()),
@@ -230,6 +248,14 @@ def policy_loss(
 
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
+    if cfg.algorithm.rollout_is_threshold is not None and (
+        cfg.rollout.logprob_check_prompts != -1 or cfg.rollout.temperature != 1.0
+    ):
+        raise SystemExit(
+            "error: algorithm.rollout_is_threshold needs the engine's logprobs of every sample at temperature 1: "
+            f"set rollout.logprob_check_prompts=-1 (now {cfg.rollout.logprob_check_prompts}) and "
+            f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
+        )
     run = rl.start(cfg)
     temperature = cfg.rollout.temperature
     policy, hf_files = actor.load(cfg.model, run.dist.device)

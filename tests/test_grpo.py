@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -415,3 +416,42 @@ def test_val_only_evaluates_without_a_training_sampler_and_keeps_the_generations
     assert all(r["score"] == len(r["response"]) % 3 for r in rows)
     mean = sum(r["score"] for r in rows) / len(rows)
     assert abs(results["val/reward/mean"] - mean) < 1e-9
+
+
+def test_rollout_importance_sampling_weights_each_token_truncated(one_rank, tiny_qwen2) -> None:
+    """algorithm.rollout_is_threshold 2 with rollout_is: on policy (ratio 1) each token's loss is -A times its weight
+    min(pi_trainer / pi_engine, 2). An engine 3x less likely than the trainer on sample 0's tokens gives them weight
+    2 (truncated), one 0.8x as likely on sample 1's gives 1.25, the others 1; without rollout_is the loss is
+    plain and only the mismatch/* metrics are logged."""
+    import actor
+
+    device = one_rank.device
+    model, _, _ = _tiny_policy(tiny_qwen2, device)
+    samples = _random_samples()
+    layout = actor.Layout(True, 0, device)
+    actor.compute_logprobs(model, samples, _grpo_cfg().actor, layout, 1.0)  # the trainer's, as one_step sees
+    for k, s in enumerate(samples):
+        shift = {0: -math.log(3.0), 1: math.log(0.8)}.get(k, 0.0)  # log pi_engine - log pi_trainer
+        s.rollout_logprobs = (s.old_logprobs + shift).tolist()
+    weights = [2.0, 1.25] + [1.0] * (len(samples) - 2)
+    tokens = sum(len(s.response_ids) for s in samples)
+    mb = actor.MicroBatch.of(samples, layout, global_tokens=tokens, global_seqs=len(samples))
+    for s in samples:
+        s.old_logprobs = None  # one optimizer step: the update's own forward gives them
+    algorithm = grpo.AlgorithmConfig(rollout_is_threshold=2.0, rollout_is=True)
+    cfg = dataclasses.replace(_grpo_cfg(), algorithm=algorithm)
+    loss, m = grpo.policy_loss(model, mb, cfg, None)
+    want = (
+        sum(-s.advantages * w * len(s.response_ids) for s, w in zip(samples, weights, strict=True)) / tokens
+    )
+    assert abs(float(loss) - want) < 1e-5, (float(loss), want)
+    n0, n1 = len(samples[0].response_ids), len(samples[1].response_ids)
+    assert abs(float(m["mismatch/rollout_is_ratio_fraction_high"]) - n0 / tokens) < 1e-6
+    assert (
+        abs(float(m["mismatch/rollout_is_mean"]) - (2.0 * n0 + 1.25 * n1 + tokens - n0 - n1) / tokens) < 1e-5
+    )
+    want_kl = (n0 * -math.log(3.0) + n1 * math.log(0.8)) / tokens  # mean of log pi_engine - log pi_trainer
+    assert abs(float(m["mismatch/mismatch_kl"]) - want_kl) < 1e-5
+    metrics_only = dataclasses.replace(cfg, algorithm=grpo.AlgorithmConfig(rollout_is_threshold=2.0))
+    plain = sum(-s.advantages * len(s.response_ids) for s in samples) / tokens
+    assert abs(float(grpo.policy_loss(model, mb, metrics_only, None)[0]) - plain) < 1e-5
