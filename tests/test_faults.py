@@ -438,3 +438,41 @@ def test_a_dead_or_hung_rank_is_an_error_within_the_timeout(tmp_path, mode):
     else:
         assert waited < timeout_s + 5, text
     print(f"{mode}: rank 0 failed after {waited:.2f} s; the job took {time.monotonic() - start:.1f} s")
+
+
+def test_sigterm_saves_at_the_step_boundary(toy_dir, tmp_path):
+    """SIGTERM mid-run (grpo.py on the toy model, the hf engine, one process): the run finishes the step it is in,
+    saves global_step_N for it, exits 128 + 15 naming it; the same command resumes from N to the end, and every
+    step appears once in metrics.jsonl."""
+    run = tmp_path / "grpo"
+    cmd = [
+        sys.executable, str(ROOT / "grpo.py"),
+        "--data.train_files", str(toy_dir / "rl/train.parquet"), "--data.val_files", "None",
+        "--data.train_batch_size", "4", "--data.max_prompt_length", "32", "--data.max_response_length", "8",
+        "--model.path", str(toy_dir / "model"), "--rollout.name", "hf", "--rollout.n", "2",
+        "--actor.ppo_mini_batch_size", "4", "--custom_reward_function.num_workers", "0",
+        "--trainer.default_local_dir", str(run), "--trainer.logger", "jsonl",
+        "--trainer.total_training_steps", "40", "--trainer.resume_mode", "auto",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    saved = checkpoint.list_checkpoints(run)
+    assert len(saved) == 1 and checkpoint.checkpoint_problem(saved[0]) is None
+    stopped_at = int(saved[0].name.split("_")[-1])
+    assert 2 <= stopped_at < 40 and f"stopped by signal 15 after step {stopped_at}" in out
+    assert max(r["step"] for r in read_metrics(run)) == stopped_at  # it finished that step, not the next
+
+    cmd[cmd.index("--trainer.total_training_steps") + 1] = str(stopped_at + 2)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    steps = [r["step"] for r in read_metrics(run) if "reward/mean" in r]
+    assert steps == list(range(1, stopped_at + 3)), steps
