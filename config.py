@@ -275,23 +275,16 @@ class YAMLLoader(yaml.SafeLoader):
                 pairs.append((key_node, value_node))
                 continue
             old_key, old_value = pairs[first[ident]]
-            name, lines = (
-                key_node.start_mark.name,
-                (old_key.start_mark.line + 1, key_node.start_mark.line + 1),
-            )
+            where = f"{key_node.start_mark.name}: '{key_node.value}'"
+            lines = f"lines {old_key.start_mark.line + 1} and {key_node.start_mark.line + 1}"
             if isinstance(old_value, yaml.MappingNode) and isinstance(value_node, yaml.MappingNode):
-                say(
-                    f"warning: {name}: '{key_node.value}' is given on lines {lines[0]} and {lines[1]}; merged the two blocks"
-                )
+                say(f"warning: {where} is given on {lines}; merged the two blocks")
                 merged = yaml.MappingNode(
                     old_value.tag, old_value.value + value_node.value, old_value.start_mark
                 )
                 pairs[first[ident]] = (old_key, merged)
             else:
-                raise ConfigError(
-                    f"{name}: key '{key_node.value}' is set twice, on lines {lines[0]} and {lines[1]}; keep one",
-                    key_node.value,
-                )
+                raise ConfigError(f"{where} is set twice, on {lines}; keep one", key_node.value)
         node.value = pairs
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -260,8 +261,9 @@ def merge_into(entries: dict[str, tuple[Any, str]], key: str, value: Any, origin
 # ---------------------------------------------------------------------------------- the dataclass tree
 
 
-def _hint_of(cls: type, name: str) -> Any:
-    return typing.get_type_hints(cls, include_extras=True)[name]
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def field_type(cls: type, key: str) -> Any | None:
@@ -273,7 +275,7 @@ def field_type(cls: type, key: str) -> Any | None:
         names = {f.name for f in dataclasses.fields(tp) if f.init}
         if part not in names:
             return None
-        tp = _hint_of(tp, part)
+        tp = _hints(tp)[part]
     return tp
 
 

@@ -234,7 +234,7 @@ def test_tutorial_template_loads_in_ppo(tmp_path):
 def test_repeated_keys_in_yaml(tmp_path, capsys):
     repeated_scalar = tmp_path / "scalar.yaml"
     repeated_scalar.write_text("trainer:\n  save_freq: 1\n  test_freq: 2\n  save_freq: 3\n")
-    with pytest.raises(SystemExit, match=r"scalar.yaml: key 'save_freq' is set twice, on lines 2 and 4"):
+    with pytest.raises(SystemExit, match=r"scalar.yaml: 'save_freq' is set twice, on lines 2 and 4"):
         config.parse(grpo.GRPOConfig, ["--config", str(repeated_scalar)])
     nested = tmp_path / "nested.yaml"  # two blocks whose inner blocks repeat too: merged at every level
     nested.write_text("actor:\n  optim: {lr: 2e-6}\nactor:\n  optim: {weight_decay: 0.1}\n  ppo_epochs: 2\n")
