@@ -91,6 +91,7 @@ NO_CRITIC = "grpo.py trains no critic (ppo.py does)"
 SAMPLES = "a few validation generations are printed on the console; none go to the logger"
 REWARD_FN = "flatrl's reward pool scores each response with the function, as verl's naive (and prime) manager"
 MB_IN_ORDER = "mini-batches are taken in order"
+MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
 
 
 def _fsdp_size(value: Any) -> int:
@@ -168,6 +169,8 @@ def _optim(ours: str, grad_clip: str | None) -> dict[str, Rule]:
         "optimizer": Only(("AdamW",), "flatrl trains with torch.optim.AdamW"),
         "optimizer_impl": Only(("torch.optim",), "flatrl trains with torch.optim.AdamW"),
         "override_optimizer_config": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
+        "override_optimizer_config.*": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
+        "lr_decay_style": Map(f"{ours}.lr_scheduler"),
     }
     if grad_clip is not None:
         rules["clip_grad"] = Map(weak=(grad_clip,), why=f"verl's engine workers read it; {grad_clip} wins")
@@ -191,6 +194,10 @@ RL_MODEL: dict[str, Rule] = {
     "custom_chat_template": Only((None,), "prompts use the tokenizer's own chat template"),
     "external_lib": Only((None,), NO_CODE),
     "override_config": Only(({},), "the model's config.json is used as it is"),
+    "override_config.*": Only(({},), "the model's config.json is used as it is"),
+    "lora.*": Only(
+        (None, {}), "Megatron's LoRA block: flatrl's LoRA is model.lora_rank, lora_alpha, target_modules"
+    ),
     "enable_activation_offload": Ignore(MEMORY),
     "exclude_modules": Only((None,), "LoRA wraps model.target_modules, with no exclusions"),
     "lora_adapter_path": Only((None,), "LoRA starts from fresh adapters"),
@@ -241,6 +248,7 @@ RL_ACTOR: dict[str, Rule] = {
     "sum_pi_squared_checkpointing": Ignore("a diagnostic flatrl does not log"),
     "tis_imp_ratio_cap": Only((-1, None), "no truncated importance sampling of rollout logprobs"),
     "rollout_n": Ignore("verl's copy of rollout.n"),
+    "megatron.*": Only((None, {}), MEGATRON),
     **_under("optim", _optim("actor.optim", grad_clip="actor.grad_clip")),
     **_under("fsdp_config", _fsdp("model.fsdp_config")),
 }
@@ -322,6 +330,7 @@ RL_DATA: dict[str, Rule] = {
     "datagen.path": Only((None,), NO_CODE),
     "datagen.name": Ignore("read only with data.datagen.path"),
     "apply_chat_template_kwargs": Only(({},), "prompts are rendered with the chat template's defaults"),
+    "apply_chat_template_kwargs.*": Only(({},), "prompts are rendered with the chat template's defaults"),
 }
 
 # algorithm.*: adv_estimator and kl_penalty are flatrl's names; gamma, lam, use_kl_in_reward and kl_ctrl.* in
@@ -459,6 +468,8 @@ PPO_CRITIC: dict[str, Rule] = {
     "ulysses_sequence_parallel_size": Ignore(SP),
     "model.tokenizer_path": Ignore("the critic reads the actor's tokens"),
     "model.override_config": Only(({},), "the model's config.json is used as it is"),
+    "model.override_config.*": Only(({},), "the model's config.json is used as it is"),
+    "megatron.*": Only((None, {}), MEGATRON),
     "model.external_lib": Only((None,), NO_CODE),
     "model.use_shm": Ignore(SHM),
     "model.enable_activation_offload": Ignore(MEMORY),
@@ -490,6 +501,7 @@ SFT_DATA: dict[str, Rule] = {
     "custom_cls.name": Ignore("read only with data.custom_cls.path"),
     "use_shm": Ignore(SHM),
     "apply_chat_template_kwargs": Only(({},), "the chat template's defaults are used"),
+    "apply_chat_template_kwargs.*": Only(({},), "the chat template's defaults are used"),
 }
 
 # model.*: partial_pretrain, trust_remote_code, enable_gradient_checkpointing, lora_rank, lora_alpha,
