@@ -335,6 +335,8 @@ def _lookup(key: str, cls: type) -> verl_keys.Rule | None:
     table, prefixes = table_for(cls)
     if key in table:
         return table[key]
+    if table and key.rsplit(".", 1)[-1] == "_target_":
+        return verl_keys.HYDRA_TARGET
     if field_type(cls, key) is not None:
         return verl_keys.Map(key)
     moved = _moved(key, prefixes)
@@ -521,8 +523,9 @@ def translate(entries: Mapping[str, tuple[Any, str]], cls: type, printing: bool 
             raise ValueError(f"{origin}: {key}: {rule.why}")  # _pairs takes these out first
         strong = [t for t in rule.to if field_type(cls, t) is not None]
         weak = [t for t in rule.weak if field_type(cls, t) is not None]
-        if table and plain(value) is None and not all(_optional(field_type(cls, t)) for t in strong + weak):
-            out.note(f"ignored: {key}=null (verl's 'unset': flatrl's default applies)")
+        unset = plain(value) is None or plain(value) == "???"  # OmegaConf's MISSING, as in `rollout.name: ???`
+        if table and unset and not all(_optional(field_type(cls, t)) for t in strong + weak):
+            out.note(f"ignored: {key}={_text(value)} (verl's 'unset': flatrl's default applies)")
             return
         if rule.convert is not None:
             try:

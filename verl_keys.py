@@ -22,6 +22,7 @@ Every mapping target is checked against grpo.py's, ppo.py's and sft.py's datacla
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ OFFLOAD = "FSDP2 CPU offload: parameters, gradients and optimizer state in host 
 LOGPROBS = (
     "logprob passes run in the actor's micro-batches (ppo_micro_batch_size_per_gpu or its token budget)"
 )
-DEPRECATED_MB = "verl's deprecated global micro-batch size: give the per-GPU one"
+GLOBAL_MB = "verl's older global micro-batch size, divided by the world size (WORLD_SIZE)"
 DEFAULTS = "Hydra's defaults list picks verl's config groups; flatrl's dataclass defaults stand in for them"
 ONE_ENGINE = "one engine per rank, or per rollout.tensor_model_parallel_size ranks"
 PUSH = "weights are pushed into the engine one parameter at a time"
@@ -90,7 +91,7 @@ ALL_ROWS = "every row is used; cut the file instead"
 NO_CRITIC = "grpo.py trains no critic (ppo.py does)"
 SAMPLES = "a few validation generations are printed on the console; none go to the logger"
 REWARD_FN = "flatrl's reward pool scores each response with the function, as verl's naive (and prime) manager"
-MB_IN_ORDER = "mini-batches are taken in order"
+MB_IN_ORDER = "a step's samples are already a random draw of prompts; mini-batches take them in that order"
 MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
 
 
@@ -109,6 +110,13 @@ def _sharding(value: Any) -> bool:
     if value not in choices:
         raise ValueError(f"flatrl shards with FSDP2: FULL_SHARD or SHARD_GRAD_OP, got {value!r}")
     return choices[value]
+
+
+def _per_gpu(value: Any) -> Any:
+    """verl's older global micro-batch size as a per-GPU one, as verl divides it: by the world size."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"want a positive number of sequences, got {value!r}")
+    return max(1, value // int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _as_list(value: Any) -> Any:
@@ -215,7 +223,9 @@ RL_ACTOR: dict[str, Rule] = {
     "ppo_mini_batch_size": Map(
         "actor.ppo_mini_batch_size", weak=("critic.ppo_mini_batch_size",), why=CRITIC_FOLLOWS
     ),
-    "ppo_micro_batch_size": Only((None,), DEPRECATED_MB),
+    "ppo_micro_batch_size": Map(
+        weak=("actor.ppo_micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB
+    ),
     "use_dynamic_bsz": Map("actor.use_dynamic_bsz", weak=("critic.use_dynamic_bsz",), why=CRITIC_FOLLOWS),
     "ppo_epochs": Map("actor.ppo_epochs", weak=("critic.ppo_epochs",), why=CRITIC_FOLLOWS),
     "loss_agg_mode": Map("actor.loss_agg_mode", weak=("critic.loss_agg_mode",), why=CRITIC_FOLLOWS),
@@ -234,7 +244,7 @@ RL_ACTOR: dict[str, Rule] = {
     "use_prefix_grouper": Ignore(SPEED),
     "use_torch_compile": Ignore(SPEED),
     "use_fused_kernels": Ignore(SPEED),
-    "shuffle": Only((False,), MB_IN_ORDER),
+    "shuffle": Ignore(MB_IN_ORDER),
     "data_loader_seed": Ignore(MB_IN_ORDER),
     "checkpoint.*": Ignore(CKPT),
     "profiler.*": Ignore(PROFILER),
@@ -283,7 +293,7 @@ RL_ROLLOUT: dict[str, Rule] = {
     "log_prob_max_token_len_per_gpu": Ignore(LOGPROBS),
     "disable_log_stats": Ignore("vLLM's own statistics are not logged"),
     "multi_stage_wake_up": Ignore(MEMORY),
-    "engine_kwargs.*": Only((None, {}), "no extra engine arguments: rollout.* holds those flatrl sets"),
+    "engine_kwargs.*": Ignore("no extra engine arguments are passed: rollout.* holds those flatrl sets"),
     "multi_turn.enable": Only((False,), "single-turn generation only"),
     "multi_turn.*": Ignore("read only with multi_turn.enable"),
     "agent.*": Ignore("agent loops run only for multi-turn rollouts"),
@@ -368,7 +378,7 @@ RL_TRAINER: dict[str, Rule] = {
         "one checkpoint holds the actor and the critic: trainer.max_ckpt_to_keep"
     ),
     "remove_previous_ckpt_in_save": Only((False,), "give trainer.max_ckpt_to_keep=1 instead"),
-    "default_hdfs_dir": Only((None,), "no HDFS copy: checkpoints stay in trainer.default_local_dir"),
+    "default_hdfs_dir": Ignore("no HDFS copy: checkpoints stay in trainer.default_local_dir"),
     "del_local_ckpt_after_load": Only((False, None), "local checkpoints are kept"),
     "balance_batch": Ignore("each rank trains on its prompts' responses; losses are normalised globally"),
     "log_val_generations": Ignore(SAMPLES),
@@ -453,7 +463,9 @@ PPO_CRITIC: dict[str, Rule] = {
     "enable": Only((None, True), "ppo.py always trains the critic"),
     "strategy": Only(("fsdp", "fsdp2"), FSDP2),
     "rollout_n": Ignore("verl's copy of rollout.n"),
-    "ppo_micro_batch_size": Only((None,), DEPRECATED_MB),
+    "ppo_micro_batch_size": Map(
+        weak=("critic.ppo_micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB
+    ),
     "forward_micro_batch_size": Ignore(
         "values are computed in critic.ppo_micro_batch_size_per_gpu micro-batches"
     ),
@@ -461,7 +473,7 @@ PPO_CRITIC: dict[str, Rule] = {
         "values are computed in critic.ppo_micro_batch_size_per_gpu micro-batches"
     ),
     "forward_max_token_len_per_gpu": Ignore("values are computed under critic.ppo_max_token_len_per_gpu"),
-    "shuffle": Only((False,), MB_IN_ORDER),
+    "shuffle": Ignore(MB_IN_ORDER),
     "data_loader_seed": Ignore(MB_IN_ORDER),
     "checkpoint.*": Ignore(CKPT),
     "profiler.*": Ignore(PROFILER),
@@ -488,7 +500,7 @@ PPO: dict[str, Rule] = {
 # data.*: train_files, val_files, prompt_key, response_key, prompt_dict_keys, response_dict_keys, max_length,
 # truncation, train_batch_size and micro_batch_size_per_gpu are flatrl's names.
 SFT_DATA: dict[str, Rule] = {
-    "micro_batch_size": Only((None,), f"{DEPRECATED_MB} (data.micro_batch_size_per_gpu)"),
+    "micro_batch_size": Map(weak=("data.micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB),
     "train_max_samples": Only((-1, None), ALL_ROWS),
     "val_max_samples": Only((-1, None), ALL_ROWS),
     "multiturn.enable": Ignore("a row whose data.messages_key column is set is read as a chat"),
@@ -528,7 +540,7 @@ SFT_TRAINER: dict[str, Rule] = {
         "read with trainer.resume_mode=resume_path, which becomes trainer.resume_mode=PATH"
     ),
     "resume_path": Map("trainer.resume_mode", why="a checkpoint path in resume_mode resumes from it"),
-    "default_hdfs_dir": Only((None,), "no HDFS copy: checkpoints stay in trainer.default_local_dir"),
+    "default_hdfs_dir": Ignore("no HDFS copy: checkpoints stay in trainer.default_local_dir"),
     "checkpoint.*": Ignore(CKPT),
     "device": Only(("cuda", "cpu", None), "flatrl runs on CUDA, or the CPU when there is none"),
 }
@@ -544,6 +556,11 @@ SFT: dict[str, Rule] = {
     "use_remove_padding": Map("model.use_remove_padding"),
     **_under("trainer", SFT_TRAINER),
 }
+
+HYDRA_TARGET = Ignore(
+    "Hydra's `_target_`: the class verl builds from the section; flatrl's dataclasses are fixed"
+)
+"""The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
 
 HINTS = {
     "algorithm.adv_estimator": "grpo.py runs grpo, rloo and reinforce_plus_plus; ppo.py runs gae (with a critic)",
