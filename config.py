@@ -371,7 +371,7 @@ def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict
                 hint = result.hints.get(e.key or "")
                 raise ConfigError(f"{e} ({hint})" if hint else str(e), e.key) from None
     except (OSError, yaml.YAMLError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit("error: " + " ".join(str(e).split())) from None  # one line (PyYAML's span several)
     doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # dataclass's stand-in
     cfg = tyro.cli(
         cls, args=tyro_args, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}"

@@ -467,3 +467,30 @@ def test_missing_reward_function_names_compute_score(tmp_path):
         AttributeError, match=r"no function 'compute_score'.*as verl does.*callables in the file: score"
     ):
         reward.load_reward_fn(str(path), "compute_score")
+
+
+def test_pieces_of_a_full_verl_config(tmp_path, monkeypatch, capsys):
+    """What verl's own full trainer config holds: _target_ keys, ??? (OmegaConf's missing), interpolations of
+    siblings, the older global micro-batch size (divided by the world size, as verl does)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    path = tmp_path / "full.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n"
+        "  actor: {_target_: verl.workers.config.FSDPActorConfig, ppo_micro_batch_size: 64,"
+        " ppo_micro_batch_size_per_gpu: null, checkpoint: {save_contents: [model], load_contents: '${.save_contents}'}}\n"
+        "  rollout:\n    name: ???\n    prompt_length: ${oc.select:data.max_prompt_length,512}\n"
+        "data: {max_prompt_length: 300}\n"
+    )
+    c = config.parse(ppo.PPOConfig, ["--config", str(path)])
+    assert (
+        c.actor.ppo_micro_batch_size_per_gpu == 8
+        and c.rollout.name == "vllm"
+        and c.data.max_prompt_length == 300
+    )
+    err = capsys.readouterr().err
+    assert (
+        "ignored: actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig (Hydra's `_target_`"
+        in err
+    )
+    assert "ignored: actor_rollout_ref.rollout.name=??? (verl's 'unset'" in err
+    assert "mapped: actor_rollout_ref.actor.ppo_micro_batch_size -> actor.ppo_micro_batch_size_per_gpu" in err
