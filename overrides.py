@@ -66,11 +66,11 @@ class Unquoted(str):
         return self.value
 
 
-_INT = r"[+-]?(?:0|[1-9](?:_?[0-9])*)"
+_UINT = r"(?:0|[1-9](?:_?[0-9])*)"  # Hydra's INT without a sign: no leading zeros, `_` between digits
 _DIGITS = r"[0-9](?:_?[0-9])*"
+_INT = re.compile(rf"[+-]?{_UINT}")
 _FLOAT = re.compile(
-    rf"[+-]?(?:(?:(?:0|[1-9](?:_?[0-9])*)?\.{_DIGITS}|(?:0|[1-9](?:_?[0-9])*)\.)(?:[eE][+-]?{_DIGITS})?"
-    rf"|(?:0|[1-9](?:_?[0-9])*)[eE][+-]?{_DIGITS}|inf|nan)",
+    rf"[+-]?(?:(?:{_UINT}?\.{_DIGITS}|{_UINT}\.)(?:[eE][+-]?{_DIGITS})?|{_UINT}[eE][+-]?{_DIGITS}|inf|nan)",
     re.IGNORECASE,
 )
 
@@ -83,7 +83,7 @@ def _primitive(text: str) -> Any:
         return None
     if low in ("true", "false"):
         return low == "true"
-    if re.fullmatch(_INT, text):
+    if _INT.fullmatch(text):
         return int(text.replace("_", ""))
     if _FLOAT.fullmatch(text):
         return float(text.replace("_", ""))
@@ -523,7 +523,9 @@ def translate(entries: Mapping[str, tuple[Any, str]], cls: type, printing: bool 
             raise ValueError(f"{origin}: {key}: {rule.why}")  # _pairs takes these out first
         strong = [t for t in rule.to if field_type(cls, t) is not None]
         weak = [t for t in rule.weak if field_type(cls, t) is not None]
-        unset = plain(value) is None or plain(value) == "???"  # OmegaConf's MISSING, as in `rollout.name: ???`
+        unset = (
+            plain(value) is None or plain(value) == "???"
+        )  # OmegaConf's MISSING, as in `rollout.name: ???`
         if table and unset and not all(_optional(field_type(cls, t)) for t in strong + weak):
             out.note(f"ignored: {key}={_text(value)} (verl's 'unset': flatrl's default applies)")
             return
