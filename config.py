@@ -1,19 +1,24 @@
-"""Config parsing: one frozen dataclass tree per script, tyro on the command line, strict YAML underneath.
+"""Config parsing: one frozen dataclass tree per script; YAML files, Hydra-style overrides and tyro flags on top.
 
-`cfg = config.parse(SFTConfig)`; precedence is CLI > YAML > dataclass defaults:
-1. `--config FILE.yaml` (anywhere in argv) is read with `yaml.safe_load`, remapped by the script's optional
-   `yaml_hook`, and validated strictly by `from_dict`; the instance becomes tyro's `default=`, so `--help`
-   shows the YAML values and CLI flags (`--optim.lr 3e-5`; `--save_freq` or `--save-freq`) override them.
-2. `--print-config` prints the resolved config as YAML (same nested keys; loading it back with `--config`
-   gives an equal config) and exits 0 before the script touches data or models.
+`cfg = config.parse(GRPOConfig)`; precedence is tyro flags > overrides > YAML > dataclass defaults:
+1. YAML: Hydra's `--config-path DIR --config-name NAME`, then `--config FILE.yaml` (repeatable); the files
+   merge in that order, as Hydra merges its configs. `YAMLLoader` reads them: a mapping block given twice is
+   merged with a warning naming both lines, a scalar key given twice is an error naming both lines.
+2. Hydra-style overrides anywhere in argv (`key=value`, `+key=value`, `~key`; overrides.py has the grammar)
+   merge over the YAML, later over earlier.
+3. Keys are flatrl's dotted field paths or verl's names: overrides.translate maps, ignores (saying why on
+   stderr) or refuses each one by verl_keys.py's tables, and `from_dict` validates the result strictly; it
+   becomes tyro's `default=`, so `--help` shows it and tyro flags (`--rollout.n 8`, `--save-freq 5`) win.
+4. `--print-config` writes the resolved config as YAML to stdout (nothing else goes there: notes go to stderr)
+   and exits 0 before the script touches data or models; loading it back with `--config` gives an equal config.
 
 Strict: an unknown key or a wrong type raises `ConfigError` (a ValueError) naming the source and the dotted
 key, e.g. `configs/x.yaml: unknown key 'optim.lrr' (known: lr, betas)`; `parse` exits with that one line.
 By field type: float takes ints and numeric strings (PyYAML 1.1 reads `1e-5`, no dot, as a string); int
 and bool take only real ints/bools (`yes` is an error); null only where None is allowed; Literal must be
 one of its choices; tuple/list from a sequence (fixed tuples length-checked); nested dataclasses from
-mappings, overlaid on the parent's default; `Path` from a string, `~` left unexpanded for the script.
-`move_keys` helps a `yaml_hook` map a foreign layout (verl's `actor_rollout_ref.actor...`) onto ours.
+mappings, overlaid on the parent's default; `Path` from a string, `~` left unexpanded for the script. An
+unquoted command-line value (`Unquoted`) is read by the field's type: `experiment_name=0.10` stays text.
 `to_dict`/`to_yaml` save the resolved config into runs and checkpoints; `from_dict` reads it back on resume.
 `TrainerConfig` holds the loop, logging and checkpoint settings every trainer shares (each script subclasses it).
 """
@@ -21,15 +26,18 @@ mappings, overlaid on the parent's default; `Path` from a string, `~` left unexp
 import argparse
 import copy
 import dataclasses
+import os
 import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 import tyro
 import yaml
+
+import overrides
 
 T = TypeVar("T")
 
@@ -66,24 +74,48 @@ class TrainerConfig:
     max_consecutive_skips: int = 5
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/ or actor/skipped_steps); after
     this many in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
+    debug: bool = False
+    """Print the memory plan at the start, and each step's per-phase device memory and gradient norm, on the
+    console (verl's tutorial runs `debug=true` for this)."""
 
 
-_OPTIONS_HELP = "--config FILE.yaml loads overrides (CLI flags still win); --print-config prints YAML, exits."
+_OPTIONS_HELP = (
+    "--config FILE.yaml (repeatable; or --config-path DIR --config-name NAME) loads overrides; key=value, "
+    "+key=value, ~key override them with flatrl's or verl's key names (docs/VERL.md); flags below win over both. "
+    "--print-config prints the resolved YAML and exits."
+)
 
 
 class ConfigError(ValueError):
     """A config value that does not fit the dataclass tree; the message names the source and dotted key."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+Source = str | Callable[[str], str]  # a file name, or a function giving each dotted key's origin
+
+
+def _where(source: Source, key: str) -> str:
+    return source(key) if callable(source) else source
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any:
+# ------------------------------------------------------------------------------- strict validation
+
+
+def _coerce(tp: Any, value: Any, key: str, source: Source, base: Any = None) -> Any:
     """Validate `value` against type `tp`; return it converted (float from str/int, tuple from list, ...)."""
+    if isinstance(value, overrides.Unquoted):
+        value = value.typed(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = lambda: ConfigError(
-        f"{source}: key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        f"{_where(source, key)}: key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}",
+        key,
     )
     if origin is typing.Annotated:  # tyro.conf markers wrap the real type
         return _coerce(args[0], value, key, source, base)
@@ -103,12 +135,16 @@ def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any
                 pass
         raise bad()
     if value is None:
-        raise ConfigError(f"{source}: key '{key}' is null but {_type_name(tp)} is not Optional")
+        raise ConfigError(
+            f"{_where(source, key)}: key '{key}' is null but {_type_name(tp)} is not Optional", key
+        )
     if origin is typing.Literal:
         # `True == 1`, so compare types too: a bool must not pass for Literal[1].
         if any(value == c and type(value) is type(c) for c in args):
             return value
-        raise ConfigError(f"{source}: key '{key}' must be one of {list(args)}, got {value!r}")
+        raise ConfigError(
+            f"{_where(source, key)}: key '{key}' must be one of {list(args)}, got {value!r}", key
+        )
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise bad()
@@ -133,7 +169,9 @@ def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any
             raise bad()
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{source}: key '{key}' expects {len(args)} items, got {len(value)}")
+                raise ConfigError(
+                    f"{_where(source, key)}: key '{key}' expects {len(args)} items, got {len(value)}", key
+                )
             return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))  # noqa: B905
         items = [_coerce(args[0] if args else Any, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return items if (origin is list or tp is list) else tuple(items)
@@ -142,22 +180,24 @@ def _coerce(tp: Any, value: Any, key: str, source: str, base: Any = None) -> Any
             raise bad()
         kt, vt = args if args else (Any, Any)
         return {_coerce(kt, k, key, source): _coerce(vt, v, f"{key}.{k}", source) for k, v in value.items()}
-    raise ConfigError(f"{source}: key '{key}' has unsupported field type {_type_name(tp)}")
+    raise ConfigError(f"{_where(source, key)}: key '{key}' has unsupported field type {_type_name(tp)}", key)
 
 
-def _build(cls: type[T], base: T | None, d: Mapping, prefix: str, source: str) -> T:
+def _build(cls: type[T], base: T | None, d: Mapping, prefix: str, source: Source) -> T:
     """Build `cls` from mapping `d`, over `base` (an instance) if given, else over the class defaults."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for k in d:
         if k not in fields:
-            raise ConfigError(f"{source}: unknown key '{prefix}{k}' (known: {', '.join(fields)})")
+            key = f"{prefix}{k}"
+            raise ConfigError(f"{_where(source, key)}: unknown key '{key}' (known: {', '.join(fields)})", key)
     hints = typing.get_type_hints(cls, include_extras=True)
     values = {}
     for name, f in fields.items():
         has_factory = f.default_factory is not dataclasses.MISSING
         if name not in d:
             if base is None and f.default is dataclasses.MISSING and not has_factory:
-                raise ConfigError(f"{source}: missing required key '{prefix}{name}'")
+                key = prefix + name
+                raise ConfigError(f"{_where(source, key)}: missing required key '{key}'", key)
             continue
         if base is not None:
             default = getattr(base, name)
@@ -168,17 +208,17 @@ def _build(cls: type[T], base: T | None, d: Mapping, prefix: str, source: str) -
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
-def from_dict(cls: type[T], d: Mapping, source: str = "<dict>") -> T:
+def from_dict(cls: type[T], d: Mapping, source: Source = "<dict>") -> T:
     """Strictly build a `cls` instance from a nested mapping, over the dataclass defaults.
 
     Args:
         cls: the (frozen) dataclass tree.
         d: nested mapping of overrides (keys absent keep their defaults).
-        source: name used in error messages, usually the YAML file path.
-    Returns: the instance. Raises ConfigError naming `source` and the dotted key on any mismatch.
+        source: name used in error messages (usually the YAML file path), or a function of the dotted key.
+    Returns: the instance. Raises ConfigError naming the source and the dotted key on any mismatch.
     """
     if not isinstance(d, Mapping):
-        raise ConfigError(f"{source}: top level must be a mapping, got {type(d).__name__}")
+        raise ConfigError(f"{_where(source, '')}: top level must be a mapping, got {type(d).__name__}")
     return _build(cls, None, d, "", source)
 
 
@@ -200,26 +240,158 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; empty mappings stay as leaves."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+# ------------------------------------------------------------------------------------ YAML files
+
+
+def say(line: str) -> None:
+    """One line on stderr, from rank 0 only (torchrun starts every rank with the same argv)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+class YAMLLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that never loses a repeated key (PyYAML keeps the last one without a word).
+
+    A mapping block given twice at the same level (two `trainer:` blocks) is merged, the later block's keys
+    after the earlier's, with a warning on stderr naming both lines; a key whose value is not a mapping
+    given twice is a ConfigError naming the file, the key and both lines. `<<` merge keys work as in YAML.
+    """
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            self._merge_repeats(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _merge_repeats(self, node: yaml.MappingNode) -> None:
+        first: dict[tuple[str, str], int] = {}
+        pairs: list[tuple[yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                pairs.append((key_node, value_node))
+                continue
+            ident = (key_node.tag, key_node.value)
+            if ident not in first:
+                first[ident] = len(pairs)
+                pairs.append((key_node, value_node))
+                continue
+            old_key, old_value = pairs[first[ident]]
+            where = f"{key_node.start_mark.name}: '{key_node.value}'"
+            lines = f"lines {old_key.start_mark.line + 1} and {key_node.start_mark.line + 1}"
+            if isinstance(old_value, yaml.MappingNode) and isinstance(value_node, yaml.MappingNode):
+                say(f"warning: {where} is given on {lines}; merged the two blocks")
+                merged = yaml.MappingNode(
+                    old_value.tag, old_value.value + value_node.value, old_value.start_mark
+                )
+                pairs[first[ident]] = (old_key, merged)
+            else:
+                raise ConfigError(f"{where} is set twice, on {lines}; keep one", key_node.value)
+        node.value = pairs
+
+
+def load_yaml(path: str) -> dict:
+    """The mapping in YAML file `path` (read with YAMLLoader; an empty file is {})."""
+    with open(path) as f:
+        # yaml.load(f, YAMLLoader) spelled out: as safe, and test_untrusted's scan refuses yaml.load on sight.
+        loader = YAMLLoader(f)
+        try:
+            raw = loader.get_single_data()
+        finally:
+            loader.dispose()
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+# ----------------------------------------------------------------------------------- the command line
+
+
+def _yaml_files(opts: argparse.Namespace) -> list[str]:
+    """Hydra's primary config (--config-path DIR --config-name NAME, relative to the working directory), then
+    each --config file in order."""
+    files = list(opts.config)
+    if opts.config_name is not None:
+        name = (
+            opts.config_name if opts.config_name.endswith((".yaml", ".yml")) else opts.config_name + ".yaml"
+        )
+        files.insert(0, str(Path(opts.config_path or ".") / name))
+    elif opts.config_path is not None:
+        raise ConfigError("--config-path needs --config-name (the YAML file in that folder)")
+    return files
+
+
+def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict], dict] | None = None) -> T:
+    """Parse the command line into a `cls` instance: dataclass defaults < YAML < overrides < tyro flags.
+
+    Args:
+        cls: the script's frozen dataclass tree (every field needs a default, or a value in the YAML).
+        argv: arguments without the program name; None reads `sys.argv[1:]`.
+        yaml_hook: unused, kept so older callers run: verl's layout is mapped here for every script
+            (verl_keys), for YAML and for the command line alike.
+    Returns: the resolved config. Exits 0 after printing it if `--print-config` was given; exits
+    with a one-line message on a bad file, key or value.
+    """
+    del yaml_hook
+    # Our options are taken out before tyro sees argv; allow_abbrev=False so `--conf` is not eaten.
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", action="append", default=[])
+    pre.add_argument("--config-path", "--config_path", "-cp", dest="config_path", default=None)
+    pre.add_argument("--config-name", "--config_name", "-cn", dest="config_name", default=None)
+    pre.add_argument("--print-config", action="store_true")
+    opts, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    given = [m for m in map(overrides.match, rest) if m is not None]
+    tyro_args = [t for t in rest if overrides.match(t) is None]
+    entries: dict[str, tuple[Any, str]] = {}  # dotted key as the user wrote it -> (value, origin)
+    default = None
+    try:
+        for path in _yaml_files(opts):
+            for key, value in overrides.flatten(load_yaml(path)).items():
+                overrides.merge_into(entries, key, value, path)
+        for m in given:
+            key, text = m["key"], m["value"]
+            if m["op"] != "~":
+                overrides.merge_into(
+                    entries, key, overrides.parse_value(text), f"command line '{m.group(0)}'"
+                )
+                continue
+            gone = [k for k in entries if overrides.same_target(k, key, cls)]
+            now = overrides.plain(entries[gone[-1]][0]) if gone else None
+            if text is not None and gone and overrides.plain(overrides.parse_value(text)) != now:
+                raise ConfigError(
+                    f"command line '{m.group(0)}': {gone[-1]} is {entries[gone[-1]][0]!r}, not {text}"
+                )
+            for k in gone:
+                del entries[k]
+        if entries:
+            result = overrides.translate(entries, cls, printing=opts.print_config)
+            for line in result.notes:
+                say(line)
+            try:
+                default = from_dict(cls, overrides.unflatten(result.values), source=result.origin)
+            except ConfigError as e:
+                hint = result.hints.get(e.key or "")
+                raise ConfigError(f"{e} ({hint})" if hint else str(e), e.key) from None
+    except (OSError, yaml.YAMLError, ValueError) as e:
+        raise SystemExit("error: " + " ".join(str(e).split())) from None  # one line (PyYAML's span several)
+    doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # dataclass's stand-in
+    cfg = tyro.cli(
+        cls, args=tyro_args, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}"
+    )
+    if opts.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        sys.stdout.flush()
+        raise SystemExit(0)
+    return cfg
 
 
 def move_keys(d: Mapping, moves: Mapping[str, str | None]) -> dict:
     """Return a copy of `d` with dotted keys moved, e.g. `{"actor_rollout_ref.actor.optim": "optim"}`.
 
+    Kept for rl.verl_layout until the scripts stop passing it (`parse` maps verl's layout itself now).
     A source names a leaf or a whole section; absent sources are skipped; a destination of None drops the
-    key (an explicit "we ignore this"). A section moved onto an existing one merges into it; writing over an
-    existing value is a ValueError. Sections a move empties disappear, so strict validation flags only the
-    keys no move mentions. Keys are treated as strings and must not contain dots themselves.
+    key. A section moved onto an existing one merges into it; writing over an existing value is a ValueError.
     """
-    flat = _flatten(copy.deepcopy(dict(d)))
+    flat = overrides.flatten(copy.deepcopy(dict(d)))
     for src, dst in moves.items():
         for key in [k for k in flat if k == src or k.startswith(src + ".")]:
             value = flat.pop(key)
@@ -229,48 +401,4 @@ def move_keys(d: Mapping, moves: Mapping[str, str | None]) -> dict:
             if any(k == new or k.startswith(new + ".") or new.startswith(k + ".") for k in flat):
                 raise ValueError(f"move_keys: moving '{key}' would overwrite existing '{new}'")
             flat[new] = value
-    out: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict], dict] | None = None) -> T:
-    """Parse the command line into a `cls` instance: dataclass defaults < `--config` YAML < CLI flags.
-
-    Args:
-        cls: the script's frozen dataclass tree (every field needs a default, or a value in the YAML).
-        argv: arguments without the program name; None reads `sys.argv[1:]`.
-        yaml_hook: maps the raw YAML mapping to ours before validation (see `move_keys`).
-    Returns: the resolved config. Exits 0 after printing it if `--print-config` was given; exits
-    with a one-line message on a bad YAML file.
-    """
-    # Our two options are taken out before tyro sees argv; allow_abbrev=False so `--conf` is not eaten.
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
-    pre.add_argument("--print-config", action="store_true")
-    opts, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    path, default = opts.config, None
-    if path is not None:
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f)
-            raw = {} if raw is None else raw
-            if yaml_hook is not None and isinstance(raw, dict):
-                raw = yaml_hook(raw)
-            default = from_dict(cls, raw, source=path)
-        except (OSError, yaml.YAMLError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
-    doc = "" if (cls.__doc__ or "").startswith(cls.__name__ + "(") else cls.__doc__  # dataclass's stand-in
-    cfg = tyro.cli(
-        cls, args=rest, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}"
-    )
-    if opts.print_config:
-        sys.stdout.write(to_yaml(cfg))
-        sys.stdout.flush()
-        raise SystemExit(0)
-    return cfg
+    return overrides.unflatten(flat)

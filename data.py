@@ -10,24 +10,26 @@ one of the two collation layouts.
    each assistant turn's content plus its eos (Qwen's <|im_end|>); the turn header and the template's text
    after eos are context. Boundaries come from rendering prefixes of the conversation and tokenising each
    rendered segment on its own; a template whose prefix rendering is not a prefix of the next is an error.
+   verl's nested layout works too: `prompt_key=extra_info, prompt_dict_keys=[question]` reads
+   row["extra_info"]["question"] (verl's GSM8K SFT examples).
 3. `RLDataset`: verl's RL schema (`data_source`, `prompt` as chat messages or a string column,
    `reward_model: {style, ground_truth}`, `extra_info`) -> {"prompt_ids", "raw_prompt", "data_source",
-   "ground_truth", "extra_info", "origin"}.
+   "ground_truth", "extra_info", "origin"}. With a custom reward function (`custom_reward=True`) data_source
+   and reward_model.ground_truth may be missing: the example then carries None for them.
 4. `EpochSampler`: a seeded permutation per epoch cut into global batches, resumable from {epoch, batch};
    `split_for_rank` gives each rank its share; `micro_batches` cuts a share by count or by token budget.
 5. `pad_batch`: right-padded [B, T]. `pack_batch`: padding-free [1, N] with position ids restarting per
    sequence and a 4-D block-diagonal causal mask [1, 1, N, N], which transformers 5.19 uses as given
    (masking_utils._preprocess_mask_arguments): bool (True = attend) for attn_implementation="sdpa", the float
    additive form (mask_dtype=torch.float32) for "eager", which adds the mask to the scores (a bool mask there
-   is silently wrong: 0.28 max logprob error on the test model). The N x N mask is the portable CPU path:
-   O(N^2) memory (64 MiB as bool at N = 8192) and no kernel skips masked blocks; a flex-attention / flash
-   varlen path driven by `cu_seqlens` is the GPU path to add later. Measured on the test model, packed and
-   padded logprobs agree exactly (sdpa bool, eager float). Position ids alone (attention_mask=None) are 0.30
-   off under the default use_cache=True (transformers skips its packed-sequence detection when a cache
+   is silently wrong: 0.28 max logprob error on the test model). The N x N mask is the portable path: O(N^2)
+   memory (64 MiB as bool at N = 8192) and no kernel skips masked blocks. Measured on the test model, packed
+   and padded logprobs agree exactly (sdpa bool, eager float). Position ids alone (attention_mask=None) are
+   0.30 off under the default use_cache=True (transformers skips its packed-sequence detection when a cache
    exists) and exact with use_cache=False.
    `pack_batch(mask_dtype=None)` is the GPU layout: no N x N mask, only `cu_seqlens` and `max_seqlen`;
    `model_inputs` turns it into flash-attention-style keyword arguments (`cu_seq_lens_q`, ...), which
-   fsdp.py's `varlen` attention feeds to torch's variable-length flash kernel (O(N) memory, masked blocks
+   attention.py's `VARLEN` attention feeds to torch's variable-length flash kernel (O(N) memory, masked blocks
    skipped). Any other attention implementation still gets it right from the restarting position ids.
 
 Deviations from verl:
@@ -196,6 +198,8 @@ class SFTDataset(_Examples):
         paths: data files (see load_rows).
         tokenizer: a Hugging Face tokenizer with an eos token (and a chat template if apply_chat_template).
         prompt_key, response_key: string columns of prompt/response rows.
+        prompt_dict_keys, response_dict_keys: keys to follow inside those columns (verl's layout): with
+            prompt_key="extra_info" and prompt_dict_keys=["question"] the prompt is row["extra_info"]["question"].
         messages_key: column of [{role, content}, ...]; a row where it is non-null is a chat row.
         apply_chat_template: render a prompt row as one user turn and one assistant turn; without it the text
             is prompt + response + eos. Chat rows need the template.
@@ -214,6 +218,8 @@ class SFTDataset(_Examples):
         tokenizer,
         prompt_key: str = "prompt",
         response_key: str = "response",
+        prompt_dict_keys: Sequence[str] | None = None,
+        response_dict_keys: Sequence[str] | None = None,
         messages_key: str | None = "messages",
         apply_chat_template: bool = True,
         max_length: int = 1024,
@@ -225,6 +231,7 @@ class SFTDataset(_Examples):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token; SFT targets end with eos")
         self.tok, self.prompt_key, self.response_key = tokenizer, prompt_key, response_key
+        self.prompt_path, self.response_path = list(prompt_dict_keys or []), list(response_dict_keys or [])
         # Any id works for padding (attention and loss masks exclude it); eos when the tokenizer has no pad.
         self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         self.messages_key, self.apply_chat_template = messages_key, apply_chat_template
@@ -243,12 +250,19 @@ class SFTDataset(_Examples):
             raise ValueError(f"{paths}: no usable rows (skipped: {self.skipped})")
         self.lengths = [len(e["input_ids"]) for e in self.examples]
 
-    def _string(self, row: Row, key: str) -> str:
+    def _string(self, row: Row, key: str, path: list[str]) -> tuple[str, str]:
+        """The text at row[key][path[0]][path[1]]..., and the dotted name of where it was read."""
         if row.get(key) is None:
             raise BadRow(row, key, "missing_key", f"row has columns {sorted(row)}")
-        if not isinstance(row[key], str):
-            raise BadRow(row, key, "not_a_string", f"got {type(row[key]).__name__}")
-        return row[key]
+        value, name = row[key], key
+        for k in path:
+            if not isinstance(value, dict) or value.get(k) is None:
+                have = sorted(value) if isinstance(value, dict) else type(value).__name__
+                raise BadRow(row, f"{name}.{k}", "missing_key", f"{name} has {have}")
+            value, name = value[k], f"{name}.{k}"
+        if not isinstance(value, str):
+            raise BadRow(row, name, "not_a_string", f"got {type(value).__name__}")
+        return value, name
 
     def _example(self, row: Row) -> dict:
         if self.messages_key is not None and row.get(self.messages_key) is not None:
@@ -257,10 +271,10 @@ class SFTDataset(_Examples):
                 raise ValueError(f"{row.origin}: chat rows ({key!r}) need apply_chat_template=True")
             ids, mask = conversation_tokens(self.tok, _check_messages(row, key), row, key)
         else:
-            key = self.response_key
-            prompt, response = self._string(row, self.prompt_key), self._string(row, key)
+            prompt, prompt_name = self._string(row, self.prompt_key, self.prompt_path)
+            response, key = self._string(row, self.response_key, self.response_path)
             if not prompt.strip():
-                raise BadRow(row, self.prompt_key, "empty_prompt", f"prompt is {prompt!r}")
+                raise BadRow(row, prompt_name, "empty_prompt", f"prompt is {prompt!r}")
             if not response.strip():
                 raise BadRow(row, key, "empty_response", f"response is {response!r}")
             if self.apply_chat_template:
@@ -290,6 +304,8 @@ class RLDataset(_Examples):
         max_prompt_length: tokens; a longer prompt is dropped (filter_overlong_prompts) or an error.
         apply_chat_template: render with add_generation_prompt=True; without it a string prompt is used as is.
         skip_bad_rows: skip and count unusable rows instead of raising (see `skipped`).
+        custom_reward: a custom reward function scores the responses (custom_reward_function.path): rows may
+            lack data_source and reward_model.ground_truth, and their examples carry None for them.
     Attributes:
         examples: [{"prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "origin"}].
         dropped_overlong: prompts dropped for length.
@@ -308,8 +324,10 @@ class RLDataset(_Examples):
         apply_chat_template: bool = True,
         filter_overlong_prompts: bool = True,
         skip_bad_rows: bool = False,
+        custom_reward: bool = False,
     ):
         self.tok, self.prompt_key, self.max_prompt_length = tokenizer, prompt_key, max_prompt_length
+        self.custom_reward = custom_reward
         self.apply_chat_template, self.filter_overlong_prompts = apply_chat_template, filter_overlong_prompts
         self.dropped_overlong = 0
         self.skipped: dict[str, int] = {}
@@ -344,10 +362,16 @@ class RLDataset(_Examples):
             raise BadRow(row, key, "bad_prompt", f"want {what}, got {prompt!r:.60}")
         if not any(m["content"].strip() for m in chat):
             raise BadRow(row, key, "empty_prompt", f"no text in {prompt!r:.60}")
-        if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        ground_truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if ground_truth is None and not self.custom_reward:
             raise BadRow(row, "reward_model.ground_truth", "missing_key", f"reward_model is {rm!r:.60}")
-        if row.get("data_source") is None:
-            raise BadRow(row, "data_source", "missing_key", "rewards dispatch on it")
+        if row.get("data_source") is None and not self.custom_reward:
+            raise BadRow(
+                row,
+                "data_source",
+                "missing_key",
+                "rewards dispatch on it (or give custom_reward_function.path)",
+            )
         raw = _render(self.tok, chat, add_generation_prompt=True) if self.apply_chat_template else prompt
         ids = _encode(self.tok, raw)
         if len(ids) > self.max_prompt_length:
@@ -360,8 +384,8 @@ class RLDataset(_Examples):
         return dict(
             prompt_ids=ids,
             raw_prompt=raw,
-            data_source=row["data_source"],
-            ground_truth=rm["ground_truth"],
+            data_source=row.get("data_source"),
+            ground_truth=ground_truth,
             extra_info=row.get("extra_info") or {},
             origin=row.origin,
         )

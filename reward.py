@@ -344,7 +344,11 @@ def load_reward_fn(path: str | None, name: str | None) -> Callable:
     spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if fn is None:
-        raise AttributeError(f"reward function file {path} has no attribute {name!r}")
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(
+            f"reward function file {path} has no function {name!r} (custom_reward_function.name; without it "
+            f"flatrl looks for compute_score, as verl does); callables in the file: {', '.join(defined) or 'none'}"
+        )
     if not callable(fn):
         raise TypeError(f"{name!r} in {path} is not callable")
     return fn

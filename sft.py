@@ -6,12 +6,15 @@ ranks do not change the update.
 
 Launch (the defaults train the offline toy model that `python toy.py --out runs/toy` builds):
     python sft.py
-    torchrun --nproc_per_node 8 sft.py --config configs/sft_gsm8k.yaml --model.partial_pretrain Qwen/Qwen2.5-0.5B-Instruct
+    torchrun --nproc_per_node 8 sft.py --config configs/sft_verl_tutorial.yaml --model.partial_pretrain Qwen/Qwen2.5-0.5B-Instruct
+    torchrun --nproc_per_node 8 sft.py data.prompt_key=extra_info data.response_key=extra_info \
+        data.prompt_dict_keys=[question] +data.response_dict_keys=[answer] model.partial_pretrain=...  (verl's form)
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 sft.py --config ...
 Then `python shard_merge.py --ckpt-dir RUN/global_step_N --out DIR` writes a Hugging Face folder.
 
 Where it deviates from verl's fsdp_sft_trainer:
-1. Each field has one home (these dataclasses); `--config FILE.yaml` holds overrides in verl's key names.
+1. Each field has one home (these dataclasses); YAML files and `key=value` overrides may use verl's key names
+   (verl_keys.py maps them; docs/VERL.md lists what is mapped and what is ignored).
 2. `data.train_batch_size` is the global batch in sequences; `data.micro_batch_size_per_gpu` or, with
    `data.use_dynamic_bsz`, `data.max_token_len_per_gpu` splits each rank's share into micro-batches.
 3. Padding-free packing (`model.use_remove_padding`) uses a block-diagonal attention mask, which works with
@@ -22,13 +25,15 @@ Faults (the README's Reliability section lists each with its test):
 - A step whose loss or gradient norm is NaN/inf does not update the weights (optim.SkipGuard); the
   learning-rate schedule still advances. `trainer.max_consecutive_skips` in a row stop the run after a
   checkpoint.
-- A CUDA out-of-memory error in a step stops the run with the memory numbers and the flags to lower.
+- A CUDA out-of-memory error in a step stops the run with the memory numbers and the flags to lower;
+  `trainer.debug` prints the step's memory plan at the start and each step's peak memory per phase.
 - `resume_mode=auto` resumes from the newest complete checkpoint (checkpoint.checkpoint_problem) and drops the
   metrics.jsonl lines an interrupted run logged after it, so a crashed run continues exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -45,6 +50,7 @@ import fsdp
 import log
 import losses
 import optim
+import perf
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class DataConfig:
     """Column holding the prompt text."""
     response_key: str = "response"
     """Column holding the response text (the tokens the loss is on)."""
+    prompt_dict_keys: list[str] | None = None
+    """Keys to follow inside prompt_key's column (verl's layout): prompt_key=extra_info with [question] reads
+    row["extra_info"]["question"]."""
+    response_dict_keys: list[str] | None = None
+    """Keys to follow inside response_key's column, as prompt_dict_keys."""
     messages_key: str = "messages"
     """Column holding multi-turn chat messages; used when present instead of prompt/response (loss on assistant turns)."""
     apply_chat_template: bool = True
@@ -192,6 +203,51 @@ def memory_settings(cfg: SFTConfig) -> dict[str, object]:
     }
 
 
+def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
+    """trainer.debug's memory plan of one training step on one rank, as text (perf.Plan): fp32 parameters
+    (4 bytes each), gradients (4) and AdamW state (8) of the trainable ones, sharded over the ranks (none on the
+    device with model.fsdp_config.cpu_offload); two layers gathered in bf16; activations, logits and the logprob
+    kernel's workspace of the largest micro-batch (perf.py's per-token estimates); the CUDA context."""
+    try:
+        shape = perf.ModelShape.from_config(model.config)
+    except AttributeError as e:
+        return f"no memory plan: the model config lacks {e.name}"
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    on_device = 0.0 if cfg.model.fsdp_config.cpu_offload else 1.0
+    tokens = (
+        max(cfg.data.max_token_len_per_gpu, cfg.data.max_length)
+        if cfg.data.use_dynamic_bsz
+        else cfg.data.micro_batch_size_per_gpu * cfg.data.max_length
+    )
+    step = {
+        "cuda context": perf.CUDA_CONTEXT_BYTES,
+        "params": on_device * 4 * total / world_size,
+        "grads": on_device * 4 * trained / world_size,
+        "optimizer": on_device * 8 * trained / world_size,
+        "unsharded": 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params,
+        "activations": perf.activation_bytes_per_token(shape, cfg.model.enable_gradient_checkpointing)
+        * tokens,
+        "logits": perf.logits_bytes_per_token(shape, training=True) * tokens,
+        "kernel": perf.kernel_workspace_bytes(shape),
+    }
+    device_total = float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
+    fix = ", ".join(f"--{k} (now {v})" for k, v in memory_settings(cfg).items())
+    return perf.Plan({"step": step}, device_total, {"step": f"lower or turn on: {fix}"}).render()
+
+
+def debug_line(step: int, loss: float, grad_norm: float, memory: dict[str, float]) -> str:
+    """trainer.debug's line for a step: loss, gradient norm (before clipping), each phase's peak device memory."""
+    suffix = "_peak_allocated_gb"
+    peaks = ", ".join(
+        f"{k.removeprefix('perf/memory/').removesuffix(suffix)} {v:.2f}"
+        for k, v in memory.items()
+        if k.endswith(suffix)
+    )
+    where = f"peak allocated GiB: {peaks}" if peaks else "no CUDA device (memory not tracked)"
+    return f"debug step {step}: loss {loss:.4f}, grad_norm {grad_norm:.4f}, {where}"
+
+
 @torch.no_grad()
 def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device: torch.device) -> float:
     """Mean response-token NLL over the whole validation set (all ranks share the work)."""
@@ -225,6 +281,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         tokenizer=tokenizer,
         prompt_key=cfg.data.prompt_key,
         response_key=cfg.data.response_key,
+        prompt_dict_keys=cfg.data.prompt_dict_keys,
+        response_dict_keys=cfg.data.response_dict_keys,
         messages_key=cfg.data.messages_key,
         apply_chat_template=cfg.data.apply_chat_template,
         max_length=cfg.data.max_length,
@@ -256,6 +314,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     hf_files = dict(
         config=model.config, generation_config=model.generation_config, tokenizer=tokenizer, lora=lora_info
     )
+    if cfg.trainer.debug:
+        fsdp.print0(memory_plan(cfg, model, d.world_size))
     model = fsdp.shard_model(model, d.device, cfg.model.fsdp_config)
     sampler = data.EpochSampler(len(train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
     total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
@@ -301,6 +361,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             run_dir, step, model, optimizer, state, hf_files, keep_last=cfg.trainer.max_ckpt_to_keep
         )
 
+    # Per-phase device memory for trainer.debug (it resets CUDA's peak counters at each phase boundary).
+    phase_memory = perf.PhaseMemory() if cfg.trainer.debug else lambda name: contextlib.nullcontext()
     it = iter(sampler)
     while step < total_steps:
         t0 = time.perf_counter()
@@ -314,20 +376,26 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         global_tokens = fsdp.all_reduce(local_tokens)
         nll_sum = 0.0
         with fsdp.explain_oom(f"sft step {step + 1}", memory_settings(cfg)):
-            for i, b in enumerate(batches):
-                model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-                nll, _ = response_nll(model, b)
-                # FSDP averages gradients over ranks: scale by world size for a sum over the global batch.
-                (nll * d.world_size / global_tokens).backward()
-                nll_sum += nll.item()
+            with phase_memory("forward_backward"):
+                for i, b in enumerate(batches):
+                    model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
+                    nll, _ = response_nll(model, b)
+                    # FSDP averages gradients over ranks: scale by world size for a sum over the global batch.
+                    (nll * d.world_size / global_tokens).backward()
+                    nll_sum += nll.item()
             loss = fsdp.all_reduce(nll_sum) / global_tokens
-            grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
-            lr = scheduler.get_last_lr()[0]
-            if guard.take_step(loss, grad_norm):  # both are global: every rank decides the same
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with phase_memory("optimizer"):
+                grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
+                lr = scheduler.get_last_lr()[0]
+                if guard.take_step(loss, grad_norm):  # both are global: every rank decides the same
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
+        memory = {}
+        if cfg.trainer.debug:
+            memory = phase_memory.pop()
+            fsdp.print0(debug_line(step, loss, grad_norm, memory))
         elapsed = time.perf_counter() - t0
         seen = fsdp.all_reduce(
             sum(
@@ -346,7 +414,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             "timing_s/step": elapsed,
         }
         if torch.cuda.is_available():
-            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            peaks = [v for k, v in memory.items() if k.endswith("_peak_allocated_gb")]
+            metrics["perf/max_memory_allocated_gb"] = max([torch.cuda.max_memory_allocated() / 2**30, *peaks])
         last = step == total_steps
         if val_ds is not None and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
             metrics["val/loss"] = validate(model, val_ds, cfg, d.device)

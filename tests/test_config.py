@@ -1,4 +1,4 @@
-"""config.py: defaults, strict YAML overrides, CLI precedence, --print-config round trip, move_keys."""
+"""config.py: defaults, strict YAML, CLI precedence, Hydra-style overrides, --print-config round trip, move_keys."""
 
 import dataclasses
 import sys
@@ -148,7 +148,7 @@ def test_help_shows_yaml_defaults(tmp_path, capsys):
     assert "4321" in out and "training steps" in out and "--print-config" in out
 
 
-def test_move_keys_and_yaml_hook(tmp_path):
+def test_move_keys(tmp_path):
     verl = {
         "actor_rollout_ref": {
             "model": {"path": "/m"},
@@ -175,10 +175,34 @@ def test_move_keys_and_yaml_hook(tmp_path):
     with pytest.raises(ValueError, match="overwrite existing 'optim.warmup_steps'"):
         config.move_keys({"a": {"warmup_steps": 1}, "optim": {"warmup_steps": 2}}, {"a": "optim"})
 
-    moves["actor_rollout_ref.actor.ppo_epochs"] = None
-    path = _write(tmp_path, yaml.safe_dump(verl))
-    cfg = config.parse(TinyCfg, ["--config", path], yaml_hook=lambda d: config.move_keys(d, moves))
-    assert cfg.model.path == "/m" and cfg.optim.lr == 1e-6 and cfg.optim.warmup_steps == 2
-    assert cfg.total_steps == 3
-    with pytest.raises(SystemExit, match="unknown key 'actor_rollout_ref'"):
-        config.parse(TinyCfg, ["--config", path])  # without the hook the foreign layout is rejected
+
+def test_yaml_hook_is_no_longer_applied(tmp_path):
+    """parse maps verl's layout itself; a hook passed by an older caller changes nothing."""
+    path = _write(tmp_path, "total_steps: 3\n")
+    hooked = config.parse(TinyCfg, ["--config", path], yaml_hook=lambda d: {"total_steps": 99})
+    assert hooked == config.parse(TinyCfg, ["--config", path]) and hooked.total_steps == 3
+
+
+def test_overrides_on_any_config(tmp_path, capsys):
+    """Hydra-style overrides work for a tree without a verl table: flatrl's own names, strictly."""
+    path = _write(tmp_path, "optim:\n  lr: 2e-5\ntotal_steps: 7\n")
+    argv = [
+        "--config",
+        path,
+        "optim.lr=3e-4",
+        "model.revision=null",
+        "+logger=[console, jsonl]",
+        "~total_steps",
+    ]
+    cfg = config.parse(TinyCfg, argv)
+    assert cfg.optim.lr == 3e-4 and cfg.model.revision is None and cfg.logger == ["console", "jsonl"]
+    assert cfg.total_steps == 100  # ~ put the default back over the YAML's 7
+    assert config.parse(TinyCfg, ["model.path=0.10"]).model.path == "0.10"  # text for a str field
+    with pytest.raises(SystemExit, match="unknown key 'optim.lrr' \\(known: lr, betas, warmup_steps\\)"):
+        config.parse(TinyCfg, ["optim.lrr=1"])
+    with pytest.raises(SystemExit, match="command line 'total_steps=ten': key 'total_steps' expects int"):
+        config.parse(TinyCfg, ["total_steps=ten"])
+    with pytest.raises(SystemExit) as exc:
+        config.parse(TinyCfg, argv + ["--print-config"])
+    assert exc.value.code == 0
+    assert config.parse(TinyCfg, ["--config", _write(tmp_path, capsys.readouterr().out)]) == cfg

@@ -7,7 +7,6 @@ import pytest
 import config
 import grpo
 import ppo
-import rl
 import sft
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -19,16 +18,16 @@ def test_config_loads(path):
         cfg = config.parse(sft.SFTConfig, ["--config", str(path)])
         assert cfg.data.max_length > 0
     elif path.name.startswith("ppo"):
-        cfg = config.parse(ppo.PPOConfig, ["--config", str(path)], yaml_hook=rl.verl_layout)
+        cfg = config.parse(ppo.PPOConfig, ["--config", str(path)])
         assert cfg.data.max_response_length > 0 and cfg.critic.optim.lr > 0
     else:
-        cfg = config.parse(grpo.GRPOConfig, ["--config", str(path)], yaml_hook=rl.verl_layout)
+        cfg = config.parse(grpo.GRPOConfig, ["--config", str(path)])
         assert cfg.data.max_response_length > 0
 
 
 def test_verl_tutorial_values_survive():
     path = next(p for p in CONFIGS if p.name == "grpo_verl_tutorial.yaml")
-    cfg = config.parse(grpo.GRPOConfig, ["--config", str(path)], yaml_hook=rl.verl_layout)
+    cfg = config.parse(grpo.GRPOConfig, ["--config", str(path)])
     assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
     assert cfg.rollout.tensor_model_parallel_size == 2 and cfg.rollout.top_p == 0.9
     assert cfg.model.path.endswith("global_step_200/")
@@ -42,7 +41,7 @@ def load(name: str):
     if name.startswith("sft"):
         return config.parse(sft.SFTConfig, ["--config", str(path)])
     cls = ppo.PPOConfig if name.startswith("ppo") else grpo.GRPOConfig
-    return config.parse(cls, ["--config", str(path)], yaml_hook=rl.verl_layout)
+    return config.parse(cls, ["--config", str(path)])
 
 
 def test_new_recipes_are_there():

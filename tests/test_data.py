@@ -214,6 +214,30 @@ def test_truncation_left_right_error(tok, tmp_path):
     assert len(ds) == 1 and ds.skipped == {"truncated_away": 1}
 
 
+def test_verl_nested_prompt_and_response_keys(tok, tmp_path):
+    """verl's GSM8K SFT layout: prompt_key=response_key=extra_info, prompt/response_dict_keys pick the fields."""
+    info = {"question": "What is 12 + 34?", "answer": "46", "index": 7}
+    rows = [
+        {"question": "ignored", "extra_info": info},
+        {"extra_info": {"question": "What is 1?", "answer": "1"}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft.parquet")  # a struct column, as verl writes it
+    nested = data.SFTDataset(
+        str(tmp_path / "sft.parquet"), tok, prompt_key="extra_info", response_key="extra_info",
+        prompt_dict_keys=["question"], response_dict_keys=["answer"],
+    )  # fmt: skip
+    flat_path = write_jsonl(tmp_path / "flat.jsonl", [{"prompt": "What is 12 + 34?", "response": "46"}])
+    assert nested[0]["input_ids"] == data.SFTDataset(str(flat_path), tok)[0]["input_ids"]
+    assert len(nested) == 2
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"extra_info": {"question": "What is 1?"}}])
+    with pytest.raises(ValueError, match=r"bad.jsonl row 0 \(line 1\): key 'extra_info.answer': missing_key: "
+                       r"extra_info has \['question'\]"):  # fmt: skip
+        data.SFTDataset(
+            str(bad), tok, prompt_key="extra_info", response_key="extra_info",
+            prompt_dict_keys=["question"], response_dict_keys=["answer"],
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------- RL prompts
 
 
@@ -257,6 +281,7 @@ def test_rl_dataset_verl_schema(tok, tmp_path):
 
 
 RM = {"style": "rule", "ground_truth": "46"}
+
 GOOD_RL = {"data_source": "toy", "prompt": [{"role": "user", "content": "What is 1?"}], "reward_model": RM}
 BAD_RL_ROWS = [
     ({"data_source": "toy", "reward_model": RM}, "prompt", "missing_key"),
@@ -287,6 +312,21 @@ def test_rl_skip_bad_rows_counts_reasons(tok, tmp_path):
     assert ds.skipped == {"missing_key": 3, "empty_prompt": 2, "bad_prompt": 3, "too_long": 1}
     filtered = data.RLDataset(str(path), tok, max_prompt_length=40, skip_bad_rows=True)
     assert len(filtered) == 2 and filtered.dropped_overlong == 1 and sum(filtered.skipped.values()) == 8
+
+
+def test_rl_rows_without_reward_fields_need_a_custom_reward(tok, tmp_path):
+    """With custom_reward_function.path set, rows may lack data_source and reward_model: None is passed on."""
+    rows = [
+        {"prompt": "What is 1?", "extra_info": {"answer": "1"}},
+        {"data_source": "toy", "prompt": "What is 2?", "reward_model": {"style": "rule"}},
+        {"data_source": "toy", "prompt": "What is 3?", "reward_model": RM},
+    ]
+    path = write_jsonl(tmp_path / "custom.jsonl", rows)
+    with pytest.raises(ValueError, match="custom.jsonl row 0 \\(line 1\\): key 'reward_model.ground_truth'"):
+        data.RLDataset(str(path), tok)
+    ds = data.RLDataset(str(path), tok, custom_reward=True)
+    got = [(e["data_source"], e["ground_truth"], e["extra_info"]) for e in ds]
+    assert got == [(None, None, {"answer": "1"}), ("toy", None, {}), ("toy", "46", {})]
 
 
 @pytest.mark.parametrize("kind", ["sft", "rl"])

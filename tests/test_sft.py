@@ -78,3 +78,33 @@ def test_accumulation_and_world_size_give_the_same_first_step(toy_dir, tmp_path)
         assert r["train/num_tokens"] == ref["train/num_tokens"], name
         assert abs(r["train/loss"] - ref["train/loss"]) < 1e-5, (name, r["train/loss"], ref["train/loss"])
         assert abs(r["train/grad_norm"] - ref["train/grad_norm"]) < 1e-4 * ref["train/grad_norm"], name
+
+
+def test_verl_command_line_with_nested_keys_and_debug(toy_dir, tmp_path, one_rank, capsys):
+    """verl's GSM8K SFT form (prompt/response inside extra_info) trains, in process; debug=true prints the memory
+    plan and a line per step with the loss and gradient norm; the metrics log the same loss."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import config
+    import sft
+
+    flat = pq.read_table(toy_dir / "sft/train.parquet").slice(0, 32).to_pylist()
+    nested = [{"extra_info": {"question": r["prompt"], "answer": r["response"]}} for r in flat]
+    pq.write_table(pa.Table.from_pylist(nested), tmp_path / "train.parquet")
+    run = tmp_path / "run"
+    cfg = config.parse(
+        sft.SFTConfig,
+        [f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null", "data.prompt_key=extra_info",
+         "data.response_key=extra_info", "data.prompt_dict_keys=['question']", "+data.response_dict_keys=['answer']",
+         "data.max_length=64", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
+         f"model.partial_pretrain={toy_dir / 'model'}", "optim.lr=3e-3", f"trainer.default_local_dir={run}",
+         "trainer.logger=jsonl", "trainer.total_training_steps=2", "debug=true"],
+    )  # fmt: skip
+    sft.main(cfg)
+    out = capsys.readouterr().out
+    assert "memory plan (estimates from config.json and the settings; GiB):" in out and "  step " in out
+    lines = [line for line in out.splitlines() if line.startswith("debug step ")]
+    losses = [r["train/loss"] for r in read_metrics(run)]
+    assert [line.split(":")[0] for line in lines] == ["debug step 1", "debug step 2"]
+    assert f"loss {losses[0]:.4f}, grad_norm " in lines[0] and "no CUDA device" in lines[0]

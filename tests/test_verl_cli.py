@@ -1,0 +1,494 @@
+"""verl users' command lines and configs run unchanged: Hydra-style overrides, verl's key names (verl_keys.py),
+the config tutorial's template, duplicate YAML keys, the --print-config round trip, the world-size check.
+
+The example command lines are written from verl's public examples (examples/grpo_trainer/run_qwen2-7b.sh,
+examples/ppo_trainer/run_deepseek7b_llm.sh, examples/sft/gsm8k/run_qwen_05_peft.sh: FSDP + vLLM, GSM8K).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import config
+import grpo
+import overrides
+import ppo
+import reward
+import sft
+import verl_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = "/home/user"
+
+GRPO_EXAMPLE = f"""
+    algorithm.adv_estimator=grpo data.train_files={HOME}/data/gsm8k/train.parquet
+    data.val_files={HOME}/data/gsm8k/test.parquet data.train_batch_size=1024 data.max_prompt_length=512
+    data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+    trainer.logger=["console","wandb"] trainer.project_name=verl_grpo_example_gsm8k
+    trainer.experiment_name=qwen2_7b_function_rm trainer.n_gpus_per_node=8 trainer.nnodes=1
+    trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+""".split()  # as bash passes them: quotes gone
+
+PPO_EXAMPLE = f"""
+    algorithm.adv_estimator=gae data.train_files={HOME}/data/gsm8k/train.parquet
+    data.val_files={HOME}/data/gsm8k/test.parquet data.train_batch_size=1024 data.max_prompt_length=512
+    data.max_response_length=512 data.filter_overlong_prompts=True data.truncation=error
+    actor_rollout_ref.model.path=deepseek-ai/deepseek-llm-7b-chat actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=4
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.4 critic.optim.lr=1e-5
+    critic.model.use_remove_padding=True critic.model.path=deepseek-ai/deepseek-llm-7b-chat
+    critic.model.enable_gradient_checkpointing=True critic.ppo_micro_batch_size_per_gpu=32
+    critic.model.fsdp_config.param_offload=False critic.model.fsdp_config.optimizer_offload=False
+    algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=["console","wandb"]
+    trainer.project_name=verl_example_gsm8k trainer.experiment_name=deepseek_llm_7b_function_rm
+    trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=1
+    trainer.use_legacy_worker_impl=auto trainer.total_epochs=15
+""".split()
+
+SFT_EXAMPLE = f"""
+    data.train_files={HOME}/data/gsm8k/train.parquet data.val_files={HOME}/data/gsm8k/test.parquet
+    data.prompt_key=extra_info data.response_key=extra_info optim.lr=1e-4 data.prompt_dict_keys=['question']
+    +data.response_dict_keys=['answer'] data.micro_batch_size_per_gpu=4
+    model.partial_pretrain=Qwen/Qwen2.5-0.5B-Instruct trainer.default_local_dir=/tmp/sft-save
+    trainer.project_name=gsm8k-sft trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct trainer.logger=console
+    trainer.total_epochs=1 model.lora_rank=32 model.lora_alpha=16 model.target_modules=all-linear
+""".split()
+
+# verl's config tutorial's own template (as the issue gives it): Hydra defaults, batch keys under trainer,
+# clip_ratio under algorithm, and a second trainer: block.
+TUTORIAL = """\
+defaults: [{override /algorithm: ppo}, {override /rollout: vllm}, {override /trainer: fsdp}]
+model: {path: Qwen/Qwen2-7B-Instruct, trust_remote_code: true, lora_rank: 64}
+algorithm: {gamma: 1.0, lam: 0.95, clip_ratio: 0.1, kl_ctrl: {type: adaptive, kl_coef: 0.0005, target_kl: 0.1}}
+trainer: {ppo_micro_batch_size_per_gpu: 16, use_dynamic_bsz: true, grad_clip: 0.1, num_epochs: 1}
+rollout: {name: vllm, gpu_memory_utilization: 0.6, max_num_batched_tokens: 16384, enable_chunked_prefill: true}
+trainer: {fsdp_config: {sharding_strategy: FULL_SHARD, cpu_offload: false}}
+"""
+
+
+def run(script: str, args: list[str], world_size: int | None = 8) -> subprocess.CompletedProcess:
+    """`python script args` from the repo root, as a user runs it (WORLD_SIZE as torchrun would set it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")} | {"OMP_NUM_THREADS": "1"}
+    if world_size is not None:
+        env["WORLD_SIZE"] = str(world_size)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def assert_accounted(args: list[str], stderr: str, cls: type) -> None:
+    """Every override is a flatrl key, a plain prefix move, or named on stderr (mapped / ignored)."""
+    prefixes = overrides.table_for(cls)[1]
+    for arg in args:
+        key = arg.lstrip("+~").split("=", 1)[0]
+        silent = overrides.targets(key, cls) in ([key], [overrides._moved(key, prefixes)])
+        assert silent or f" {key}" in stderr or f"{key}=" in stderr, (key, stderr)
+
+
+def print_config(script: str, args: list[str], cls: type, tmp_path: Path, world_size: int | None = 8):
+    """Runs `script args --print-config`; returns (the config it printed, stderr). Checks rc 0, that stdout is
+    YAML only, and the round trip: the printed YAML loaded back with --config is the same config."""
+    p = run(script, [*args, "--print-config"], world_size)
+    assert p.returncode == 0, p.stderr
+    printed = yaml.safe_load(p.stdout)
+    cfg = config.from_dict(cls, printed)
+    path = tmp_path / "printed.yaml"
+    path.write_text(p.stdout)
+    assert config.parse(cls, ["--config", str(path)]) == cfg
+    assert config.to_yaml(cfg) == p.stdout
+    return cfg, p.stderr
+
+
+def test_grpo_example_command_line(tmp_path):
+    c, err = print_config("grpo.py", GRPO_EXAMPLE, grpo.GRPOConfig, tmp_path)
+    assert c.algorithm.adv_estimator == "grpo" and c.data.train_files == f"{HOME}/data/gsm8k/train.parquet"
+    assert (c.data.train_batch_size, c.data.max_prompt_length, c.data.max_response_length) == (
+        1024,
+        512,
+        1024,
+    )
+    assert c.model.path == "Qwen/Qwen2-7B-Instruct" and c.model.use_remove_padding
+    assert c.model.enable_gradient_checkpointing and not c.model.fsdp_config.cpu_offload
+    a = c.actor
+    assert (a.optim.lr, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu) == (1e-6, 256, 40)
+    assert a.use_kl_loss and (a.kl_loss_coef, a.kl_loss_type, a.entropy_coeff) == (0.001, "low_var_kl", 0.0)
+    r = c.rollout
+    assert (r.tensor_model_parallel_size, r.name, r.gpu_memory_utilization, r.n) == (2, "vllm", 0.6, 5)
+    t = c.trainer
+    assert t.logger == ["console", "wandb"] and t.project_name == "verl_grpo_example_gsm8k"
+    assert (t.experiment_name, t.save_freq, t.test_freq, t.total_epochs) == (
+        "qwen2_7b_function_rm",
+        20,
+        5,
+        15,
+    )
+    assert_accounted(GRPO_EXAMPLE, err, grpo.GRPOConfig)
+    for line in (
+        "mapped: actor_rollout_ref.actor.fsdp_config.param_offload -> model.fsdp_config.cpu_offload",
+        "ignored: actor_rollout_ref.ref.fsdp_config.param_offload=True (the reference is a frozen copy",
+        "ignored: actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+        "ignored: algorithm.use_kl_in_reward=False",
+    ):
+        assert line in err, err
+    assert "mapped: actor_rollout_ref.actor.ppo_mini_batch_size" not in err  # a plain move in grpo.py
+
+
+def test_ppo_example_command_line(tmp_path):
+    c, err = print_config("ppo.py", PPO_EXAMPLE, ppo.PPOConfig, tmp_path)
+    assert c.algorithm.adv_estimator == "gae" and not c.algorithm.use_kl_in_reward
+    assert c.model.path == "deepseek-ai/deepseek-llm-7b-chat" and c.rollout.tensor_model_parallel_size == 4
+    assert (c.actor.ppo_micro_batch_size_per_gpu, c.actor.optim.lr, c.actor.use_kl_loss) == (16, 1e-6, False)
+    k = c.critic
+    assert k.model.path == "deepseek-ai/deepseek-llm-7b-chat" and k.optim.lr == 1e-5
+    assert k.model.enable_gradient_checkpointing and k.model.use_remove_padding
+    assert k.ppo_micro_batch_size_per_gpu == 32 and k.ppo_mini_batch_size == 256  # the actor's, as in verl
+    assert (
+        c.trainer.critic_warmup == 0 and c.trainer.test_freq == 1 and c.trainer.logger == ["console", "wandb"]
+    )
+    assert_accounted(PPO_EXAMPLE, err, ppo.PPOConfig)
+    assert "ignored: critic.model.fsdp_config.optimizer_offload=False (the actor's model.fsdp_config" in err
+    assert "mapped: critic.model.fsdp_config.param_offload -> critic.model.fsdp_config.cpu_offload" in err
+    assert (
+        "mapped: actor_rollout_ref.actor.ppo_mini_batch_size -> actor.ppo_mini_batch_size, critic.ppo_mini_batch_size"
+        in err
+    )
+    assert "ignored: trainer.use_legacy_worker_impl=auto" in err
+
+
+def test_sft_example_command_line(tmp_path):
+    c, err = print_config("sft.py", SFT_EXAMPLE, sft.SFTConfig, tmp_path, world_size=None)
+    d = c.data
+    assert (d.prompt_key, d.response_key, d.prompt_dict_keys, d.response_dict_keys) == (
+        "extra_info", "extra_info", ["question"], ["answer"],
+    )  # fmt: skip
+    assert d.micro_batch_size_per_gpu == 4 and d.val_files == f"{HOME}/data/gsm8k/test.parquet"
+    m = c.model
+    assert (m.partial_pretrain, m.lora_rank, m.lora_alpha, m.target_modules) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", 32, 16.0, "all-linear",
+    )  # fmt: skip
+    assert c.optim.lr == 1e-4 and c.trainer.logger == ["console"] and c.trainer.total_epochs == 1
+    assert c.trainer.default_local_dir == "/tmp/sft-save"
+    assert_accounted(SFT_EXAMPLE, err, sft.SFTConfig)
+
+
+def test_tutorial_template_loads_in_ppo(tmp_path):
+    path = tmp_path / "tutorial.yaml"
+    path.write_text(TUTORIAL)
+    c, err = print_config("ppo.py", ["--config", str(path)], ppo.PPOConfig, tmp_path, world_size=None)
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high) == (0.1, 0.1)
+    assert (c.actor.ppo_micro_batch_size_per_gpu, c.actor.use_dynamic_bsz, c.actor.grad_clip) == (
+        16,
+        True,
+        0.1,
+    )
+    assert (c.algorithm.gamma, c.algorithm.lam) == (1.0, 0.95)
+    assert (c.algorithm.kl_ctrl.type, c.algorithm.kl_ctrl.kl_coef, c.algorithm.kl_ctrl.target_kl) == (
+        "adaptive",
+        0.0005,
+        0.1,
+    )
+    assert c.model.path == "Qwen/Qwen2-7B-Instruct" and c.model.trust_remote_code and c.model.lora_rank == 64
+    assert (c.rollout.gpu_memory_utilization, c.rollout.max_num_batched_tokens) == (0.6, 16384)
+    assert c.model.fsdp_config.reshard_after_forward and not c.model.fsdp_config.cpu_offload
+    assert f"warning: {path}: 'trainer' is given on lines 4 and 6; merged the two blocks" in err
+    for needle in (
+        "ignored: defaults=",
+        "ignored: trainer.num_epochs=1 (ambiguous",
+        "mapped: trainer.fsdp_config.sharding_strategy -> model.fsdp_config.reshard_after_forward",
+        "mapped: algorithm.clip_ratio -> actor.clip_ratio_low, actor.clip_ratio_high",
+        "mapped: trainer.ppo_micro_batch_size_per_gpu -> actor.ppo_micro_batch_size_per_gpu",
+    ):
+        assert needle in err, err
+
+
+# ------------------------------------------------------------------------------------------ YAML
+
+
+def test_repeated_keys_in_yaml(tmp_path, capsys):
+    repeated_scalar = tmp_path / "scalar.yaml"
+    repeated_scalar.write_text("trainer:\n  save_freq: 1\n  test_freq: 2\n  save_freq: 3\n")
+    with pytest.raises(SystemExit, match=r"scalar.yaml: 'save_freq' is set twice, on lines 2 and 4"):
+        config.parse(grpo.GRPOConfig, ["--config", str(repeated_scalar)])
+    nested = tmp_path / "nested.yaml"  # two blocks whose inner blocks repeat too: merged at every level
+    nested.write_text("actor:\n  optim: {lr: 2e-6}\nactor:\n  optim: {weight_decay: 0.1}\n  ppo_epochs: 2\n")
+    c = config.parse(grpo.GRPOConfig, ["--config", str(nested)])
+    assert (c.actor.optim.lr, c.actor.optim.weight_decay, c.actor.ppo_epochs) == (2e-6, 0.1, 2)
+    err = capsys.readouterr().err
+    assert "'actor' is given on lines 1 and 3" in err and "'optim' is given on lines 2 and 4" in err
+    both = tmp_path / "clash.yaml"  # a verl name and a flatrl name for one field, disagreeing, in one file
+    both.write_text("actor_rollout_ref: {actor: {ppo_epochs: 2}}\nactor: {ppo_epochs: 3}\n")
+    with pytest.raises(SystemExit, match=r"clash.yaml: two keys set actor.ppo_epochs to different values"):
+        config.parse(grpo.GRPOConfig, ["--config", str(both)])
+
+
+def test_repeated_config_files_merge_in_order(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("actor:\n  optim: {lr: 1e-5, weight_decay: 0.0}\n  ppo_epochs: 3\n")
+    b.write_text("actor:\n  optim: {lr: 2e-5}\n")
+    c = config.parse(grpo.GRPOConfig, ["--config", str(a), "--config", str(b)])
+    assert (c.actor.optim.lr, c.actor.optim.weight_decay, c.actor.ppo_epochs) == (2e-5, 0.0, 3)
+    c = config.parse(grpo.GRPOConfig, ["--config-path", str(tmp_path), "--config-name", "a", f"--config={b}"])
+    assert (c.actor.optim.lr, c.actor.ppo_epochs) == (2e-5, 3)  # Hydra's primary config first, then --config
+
+
+# ---------------------------------------------------------------------------------- the overrides
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('["console","wandb"]', ["console", "wandb"]),
+        ("['a.parquet', 'b.parquet']", ["a.parquet", "b.parquet"]),
+        ("[q_proj, v_proj]", ["q_proj", "v_proj"]),
+        ("True", True),
+        ("false", False),
+        ("null", None),
+        ("NULL", None),
+        ("1_000", 1000),
+        ("-3", -3),
+        ("1e-6", 1e-6),
+        (".5", 0.5),
+        ("3.", 3.0),
+        ("01", "01"),
+        ("'1e-6'", "1e-6"),
+        ("'it''s'", None),
+        ("{a: 1, b: [x, 'y z']}", {"a": 1, "b": ["x", "y z"]}),
+        ("~/data/x.parquet", "~/data/x.parquet"),
+        ("${oc.env:HOME}/x", "${oc.env:HOME}/x"),
+        ("", ""),
+    ],
+)
+def test_value_grammar(text, expected):
+    if expected is None and text.startswith("'it"):
+        with pytest.raises(ValueError, match="text after a quoted string"):
+            overrides.parse_value(text)
+        return
+    assert overrides.plain(overrides.parse_value(text)) == expected
+    assert type(overrides.plain(overrides.parse_value(text))) is type(expected)
+
+
+def test_value_grammar_refuses_a_sweep():
+    with pytest.raises(ValueError, match="comma outside brackets"):
+        overrides.parse_value("a,b")
+
+
+def test_overrides_and_precedence(tmp_path, capsys):
+    path = tmp_path / "x.yaml"
+    path.write_text("actor:\n  ppo_epochs: 4\n  optim: {lr: 3e-6}\ntrainer: {experiment_name: from-yaml}\n")
+    c = config.parse(
+        grpo.GRPOConfig,
+        ["--config", str(path), "actor.ppo_epochs=2", "+actor_rollout_ref.rollout.n=6", "++data.seed=7",
+         "~actor.optim.lr", "trainer.experiment_name=0.10", "data.val_files=null", "--rollout.top_p", "0.5",
+         "rollout.top_p=0.9"],
+    )  # fmt: skip
+    assert c.actor.ppo_epochs == 2  # command line > YAML
+    assert c.actor.optim.lr == grpo.GRPOConfig().actor.optim.lr  # ~ put the default back
+    assert (c.rollout.n, c.data.seed, c.data.val_files) == (6, 7, None)
+    assert c.trainer.experiment_name == "0.10"  # an unquoted value is text for a str field
+    assert c.rollout.top_p == 0.5  # a tyro flag wins over an override
+    verl_name = config.parse(grpo.GRPOConfig, ["--config", str(path), "~actor_rollout_ref.actor.optim.lr"])
+    assert verl_name.actor.optim.lr == grpo.GRPOConfig().actor.optim.lr  # ~ by verl's name reaches ours
+    with pytest.raises(SystemExit, match=r"actor.ppo_epochs is 4, not 5"):
+        config.parse(grpo.GRPOConfig, ["--config", str(path), "~actor.ppo_epochs=5"])
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        (
+            "actor_rollout_ref.actor.not_a_key=1",
+            "command line 'actor_rollout_ref.actor.not_a_key=1': unknown key",
+        ),
+        ("actor.ppo_epoch=1", "unknown key 'actor.ppo_epoch' (known: ppo_mini_batch_size"),
+        (
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            "multi_turn.enable=True cannot be honoured: single-turn",
+        ),
+        ("data.shuffle=False", "data.shuffle=False cannot be honoured: flatrl draws a seeded permutation"),
+        ("reward_model.enable=True", "reward_model.enable=True cannot be honoured"),
+        ("actor_rollout_ref.actor.ppo_epochs=two", "key 'actor.ppo_epochs' expects int, got str 'two'"),
+        (
+            "algorithm.adv_estimator=gae",
+            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus'], got 'gae' (grpo.py",
+        ),
+        ("trainer.logger=a,b", "comma outside brackets"),
+    ],
+)
+def test_errors_name_the_key(arg, needle):
+    with pytest.raises(SystemExit) as e:
+        config.parse(grpo.GRPOConfig, [arg])
+    assert needle in str(e.value.code), e.value.code
+
+
+def test_clip_ratio_and_weak_keys(capsys):
+    c = config.parse(grpo.GRPOConfig, ["actor_rollout_ref.actor.clip_ratio=0.1"])
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high) == (0.1, 0.1)
+    c = config.parse(
+        grpo.GRPOConfig,
+        ["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.clip_ratio=0.1"],
+    )
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high) == (0.1, 0.28)  # the explicit bound wins
+    c = config.parse(ppo.PPOConfig, ["actor_rollout_ref.actor.ppo_epochs=3", "critic.ppo_epochs=2"])
+    assert (c.actor.ppo_epochs, c.critic.ppo_epochs) == (3, 2)
+    c = config.parse(ppo.PPOConfig, ["actor.ppo_epochs=3"])  # flatrl's own name: the critic keeps its default
+    assert c.critic.ppo_epochs == ppo.PPOConfig().critic.ppo_epochs
+    assert (
+        "mapped: actor_rollout_ref.actor.clip_ratio -> actor.clip_ratio_low, actor.clip_ratio_high"
+        in capsys.readouterr().err
+    )
+
+
+def test_interpolations(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLATRL_TEST_DIR", "/data")
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        "trainer:\n  project_name: p\n  default_local_dir: ckpt/${trainer.project_name}/${trainer.experiment_name}\n"
+        "data: {train_files: '${oc.env:FLATRL_TEST_DIR}/train.parquet'}\n"
+        "actor_rollout_ref: {actor: {ppo_mini_batch_size: 64}}\n"
+        "critic: {ppo_mini_batch_size: '${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}',"
+        " ppo_epochs: '${oc.select:actor_rollout_ref.actor.ppo_epochs,1}'}\n"
+    )
+    c = config.parse(ppo.PPOConfig, ["--config", str(path)])
+    assert c.trainer.default_local_dir == "ckpt/p/ppo" and c.data.train_files == "/data/train.parquet"
+    assert (c.critic.ppo_mini_batch_size, c.critic.ppo_epochs) == (64, 1)
+    with pytest.raises(SystemExit, match=r"the resolver 'oc.create:' .* is not supported"):
+        config.parse(ppo.PPOConfig, ["trainer.project_name=${oc.create:x}"])
+
+
+def test_world_size_check(monkeypatch, capsys):
+    args = ["trainer.n_gpus_per_node=4", "trainer.nnodes=2"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config.parse(grpo.GRPOConfig, args)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as e:
+        config.parse(grpo.GRPOConfig, args)
+    msg = str(e.value.code)
+    assert (
+        "trainer.n_gpus_per_node=4 x trainer.nnodes=2 = 8 ranks, but this was launched as WORLD_SIZE=4" in msg
+    )
+    assert "torchrun --nnodes 2 --nproc_per_node 4" in msg
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(SystemExit) as e:  # --print-config on a laptop: a note, and the YAML
+        config.parse(sft.SFTConfig, ["trainer.n_gpus_per_node=8", "--print-config"])
+    assert e.value.code == 0
+    out, err = capsys.readouterr()
+    assert "note: " in err and "launched as one process (WORLD_SIZE unset)" in err and out.startswith("data:")
+
+
+def test_resume_path_and_debug():
+    c = config.parse(
+        grpo.GRPOConfig,
+        ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ck/global_step_5", "debug=true"],
+    )
+    assert c.trainer.resume_mode == "/ck/global_step_5" and c.trainer.debug
+    with pytest.raises(SystemExit, match="resume_mode=resume_path needs trainer.resume_from_path"):
+        config.parse(grpo.GRPOConfig, ["trainer.resume_mode=resume_path"])
+
+
+# ------------------------------------------------------------------------------- the table itself
+
+
+def _verl_keys() -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    name = ""
+    for line in (ROOT / "tests" / "verl_keys.txt").read_text().splitlines():
+        if line.startswith("["):
+            name = line.strip("[]")
+        elif line and not line.startswith("#"):
+            sections.setdefault(name, []).append(line)
+    return sections
+
+
+SCRIPTS = {"main_ppo": (grpo.GRPOConfig, ppo.PPOConfig), "fsdp_sft_trainer": (sft.SFTConfig,)}
+
+
+@pytest.mark.parametrize("cls", [grpo.GRPOConfig, ppo.PPOConfig, sft.SFTConfig], ids=lambda c: c.__name__)
+def test_every_mapping_target_exists(cls):
+    """A rename of a flatrl field breaks this test, not a user's run."""
+    table, prefixes = overrides.table_for(cls)
+    assert table
+    for key, rule in table.items():
+        if isinstance(rule, verl_keys.Map):
+            for target in rule.to:
+                assert overrides.field_type(cls, target) is not None, (key, target)
+            weak = [t for t in rule.weak if overrides.field_type(cls, t) is not None]
+            assert rule.to or weak, key
+    for target in verl_keys.HINTS:
+        assert any(overrides.field_type(c, target) for c in (grpo.GRPOConfig, ppo.PPOConfig)), target
+    for src, dst in prefixes.items():
+        assert overrides.field_type(cls, dst.rstrip(".")) is not None, src
+
+
+@pytest.mark.parametrize("entry", list(SCRIPTS), ids=str)
+def test_every_verl_key_is_accounted_for(entry):
+    keys = _verl_keys()[entry]
+    assert len(keys) > 50
+    for cls in SCRIPTS[entry]:
+        for key in keys:
+            assert overrides.targets(key, cls) is not None  # raises for an unknown key
+
+
+def test_docs_hold_the_table():
+    assert verl_keys.markdown() in (ROOT / "docs" / "VERL.md").read_text()
+
+
+def test_missing_reward_function_names_compute_score(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    with pytest.raises(
+        AttributeError, match=r"no function 'compute_score'.*as verl does.*callables in the file: score"
+    ):
+        reward.load_reward_fn(str(path), "compute_score")
+
+
+def test_pieces_of_a_full_verl_config(tmp_path, monkeypatch, capsys):
+    """What verl's own full trainer config holds: _target_ keys, ??? (OmegaConf's missing), interpolations of
+    siblings, the older global micro-batch size (divided by the world size, as verl does)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    path = tmp_path / "full.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n"
+        "  actor: {_target_: verl.workers.config.FSDPActorConfig, ppo_micro_batch_size: 64,"
+        " ppo_micro_batch_size_per_gpu: null, checkpoint: {save_contents: [model], load_contents: '${.save_contents}'}}\n"
+        "  rollout:\n    name: ???\n    prompt_length: ${oc.select:data.max_prompt_length,512}\n"
+        "data: {max_prompt_length: 300}\n"
+    )
+    c = config.parse(ppo.PPOConfig, ["--config", str(path)])
+    assert (
+        c.actor.ppo_micro_batch_size_per_gpu == 8
+        and c.rollout.name == "vllm"
+        and c.data.max_prompt_length == 300
+    )
+    err = capsys.readouterr().err
+    assert (
+        "ignored: actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig (Hydra's `_target_`"
+        in err
+    )
+    assert "ignored: actor_rollout_ref.rollout.name=??? (verl's 'unset'" in err
+    assert "mapped: actor_rollout_ref.actor.ppo_micro_batch_size -> actor.ppo_micro_batch_size_per_gpu" in err

@@ -1,0 +1,612 @@
+"""verl's config keys and what flatrl does with each: one table per verl entry point, readable as documentation.
+
+`RL` (+ `GRPO` or `PPO`) is verl.trainer.main_ppo's, read by grpo.py and ppo.py; `SFT` is
+verl.trainer.fsdp_sft_trainer's, read by sft.py. overrides.translate looks every key a user gives up here
+first, then as a flatrl field, then as a plain prefix move (`RL_PREFIXES`: `actor_rollout_ref.actor.X` ->
+`actor.X`, ...); a key none of them knows is an error. A key ending in `.*` covers everything under it. Rules:
+- `Map(*to, weak=(), why=, convert=)`: flatrl honours the key under other names; a rename is said on stderr,
+  once (`mapped: A -> B (why)`). `weak` targets are set only when no key given sets them (verl's `clip_ratio`
+  under an explicit `clip_ratio_low`; verl's critic batch sizes default to the actor's);
+- `Ignore(why)`: flatrl does not implement it, and its value does not change what is trained; said on stderr
+  as `ignored: KEY=VALUE (why)`;
+- `Only(values, why)`: flatrl always does what one of `values` says: those are said as ignored, any other value
+  is an error naming the key (it would change the results and cannot be honoured);
+- `Pair(why)`: read together with another key by overrides.translate (world size, resume path).
+
+`python verl_keys.py` prints the tables as markdown (docs/VERL.md holds that output; a test keeps it current).
+Key names come from verl's trainer configs (ppo_trainer.yaml, _generated_ppo_trainer.yaml, sft_trainer.yaml,
+2024-10 to 2026-01) and its examples; tests/verl_keys.txt lists them, and a test checks each is accounted for.
+Every mapping target is checked against grpo.py's, ppo.py's and sft.py's dataclasses by a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class Map:
+    """flatrl honours the key as `to` (and `weak`: only where no given key sets them), converted by `convert`."""
+
+    def __init__(
+        self, *to: str, weak: tuple[str, ...] = (), why: str = "", convert: Callable[[Any], Any] | None = None
+    ):
+        self.to, self.weak, self.why, self.convert = to, weak, why, convert
+
+
+@dataclass(frozen=True)
+class Ignore:
+    """Not implemented, and its value does not change what is trained: said on stderr with `why`."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Only:
+    """flatrl always does what `values` say: those are said as ignored; any other value is an error."""
+
+    values: tuple
+    why: str
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Read together with another key (world size, resume path): handled by `translate` itself."""
+
+    why: str
+
+
+Rule = Map | Ignore | Only | Pair
+
+
+# ------------------------------------------------------------------------------------------- reasons
+
+PROFILER = "profiling is not built in; use torch.profiler or nsys around the script"
+CKPT = "a checkpoint holds model, optimizer and trainer state; shard_merge.py writes a Hugging Face folder"
+SPEED = "a speed option of verl's kernels; it does not change what is trained"
+MEMORY = "memory only; it does not change what is trained"
+SP = "no Ulysses sequence parallelism: each rank holds whole sequences (memory only)"
+SHM = "loading through /dev/shm is a speed option"
+NO_CODE = "flatrl never imports code named in a config (the custom reward function is the one exception)"
+FSDP2 = "flatrl shards with FSDP2"
+CRITIC_FOLLOWS = "verl's critic setting defaults to the actor's"
+OFFLOAD = "FSDP2 CPU offload: parameters, gradients and optimizer state in host memory"
+LOGPROBS = (
+    "logprob passes run in the actor's micro-batches (ppo_micro_batch_size_per_gpu or its token budget)"
+)
+GLOBAL_MB = "verl's older global micro-batch size, divided by the world size (WORLD_SIZE)"
+DEFAULTS = "Hydra's defaults list picks verl's config groups; flatrl's dataclass defaults stand in for them"
+ONE_ENGINE = "one engine per rank, or per rollout.tensor_model_parallel_size ranks"
+PUSH = "weights are pushed into the engine one parameter at a time"
+REF = (
+    "the reference is a frozen copy of the starting policy, sharded like the actor (model.fsdp_config) and "
+    "run in the actor's micro-batches"
+)
+WORKERS = "an internal of verl's workers"
+TEXT_ONLY = "text-only data"
+ALL_ROWS = "every row is used; cut the file instead"
+NO_CRITIC = "grpo.py trains no critic (ppo.py does)"
+SAMPLES = "a few validation generations are printed on the console; none go to the logger"
+REWARD_FN = "flatrl's reward pool scores each response with the function, as verl's naive (and prime) manager"
+MB_IN_ORDER = "a step's samples are already a random draw of prompts; mini-batches take them in that order"
+MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
+
+
+def _fsdp_size(value: Any) -> int:
+    """verl's fsdp_size (-1: all ranks; N: HSDP groups of N) as flatrl's hsdp_shard_size (0: all ranks)."""
+    if value in (-1, None):
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"want -1 or a positive group size, got {value!r}")
+    return value
+
+
+def _sharding(value: Any) -> bool:
+    """FSDP1's sharding_strategy as FSDP2's reshard_after_forward."""
+    choices = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+    if value not in choices:
+        raise ValueError(f"flatrl shards with FSDP2: FULL_SHARD or SHARD_GRAD_OP, got {value!r}")
+    return choices[value]
+
+
+def _per_gpu(value: Any) -> Any:
+    """verl's older global micro-batch size as a per-GPU one, as verl divides it: by the world size."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"want a positive number of sequences, got {value!r}")
+    return max(1, value // int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _as_list(value: Any) -> Any:
+    """verl takes `trainer.logger=console` for `[console]`."""
+    return [value] if isinstance(value, str) else value
+
+
+def _under(prefix: str, rules: dict[str, Rule]) -> dict[str, Rule]:
+    """The rules with `prefix.` before each key (the tables group keys by verl section)."""
+    return {f"{prefix}.{key}": rule for key, rule in rules.items()}
+
+
+def _fsdp(ours: str) -> dict[str, Rule]:
+    """verl's fsdp_config keys, onto flatrl's fsdp.FSDPConfig at `ours`."""
+    return {
+        "param_offload": Map(f"{ours}.cpu_offload", why=OFFLOAD),
+        "offload_policy": Map(f"{ours}.cpu_offload", why=OFFLOAD),
+        "grad_offload": Ignore("gradients are offloaded with the parameters (cpu_offload)"),
+        "optimizer_offload": Map(
+            f"{ours}.offload_optimizer_in_rollout",
+            why="the optimizer state goes to host memory while the engine runs",
+        ),
+        "reshard_after_forward": Map(f"{ours}.reshard_after_forward"),
+        "fsdp_size": Map(f"{ours}.hsdp_shard_size", convert=_fsdp_size, why="-1 becomes 0: all ranks"),
+        "dtype": Map(f"{ours}.param_dtype"),
+        "model_dtype": Only(
+            ("fp32", "float32", None), "master weights are fp32; param_dtype is the compute dtype"
+        ),
+        "mixed_precision.*": Ignore(
+            "compute in fsdp_config.param_dtype, reduction and master weights in fp32"
+        ),
+        "wrap_policy.*": Ignore("each decoder layer is one FSDP unit"),
+        "forward_prefetch": Ignore(SPEED),
+        "use_orig_params": Ignore("an FSDP1 option; FSDP2 keeps the original parameters"),
+        "seed": Ignore("seeds come from trainer.seed"),
+        "full_determinism": Ignore("flatrl sets no deterministic-kernel flags"),
+        "ulysses_sequence_parallel_size": Ignore(SP),
+        "entropy_from_logits_with_chunking": Ignore("flatrl's logprob kernel is always chunked"),
+        "entropy_checkpointing": Ignore(MEMORY),
+        "use_torch_compile": Ignore(SPEED),
+        "forward_only": Ignore(WORKERS),
+        "strategy": Only(("fsdp", "fsdp2", None), FSDP2),
+    }
+
+
+def _optim(ours: str, grad_clip: str | None) -> dict[str, Rule]:
+    """verl's optimizer keys, onto flatrl's optim.OptimConfig at `ours` (lr, betas, weight_decay and min_lr_ratio
+    have the same names)."""
+    rules: dict[str, Rule] = {
+        "lr_warmup_steps_ratio": Map(f"{ours}.warmup_steps_ratio"),
+        "lr_warmup_steps": Only(
+            (-1, None), f"give the warm-up as a fraction of the steps: {ours}.warmup_steps_ratio"
+        ),
+        "warmup_style": Map(f"{ours}.lr_scheduler"),
+        "lr_scheduler_type": Map(f"{ours}.lr_scheduler"),
+        "num_cycles": Only((0.5,), "flatrl's cosine is half a cycle, from lr down to min_lr_ratio"),
+        "total_training_steps": Ignore("the schedule spans the run's steps (trainer.total_training_steps)"),
+        "optimizer": Only(("AdamW",), "flatrl trains with torch.optim.AdamW"),
+        "optimizer_impl": Only(("torch.optim",), "flatrl trains with torch.optim.AdamW"),
+        "override_optimizer_config": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
+        "override_optimizer_config.*": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
+        "lr_decay_style": Map(f"{ours}.lr_scheduler"),
+    }
+    if grad_clip is not None:
+        rules["clip_grad"] = Map(weak=(grad_clip,), why=f"verl's engine workers read it; {grad_clip} wins")
+    return rules
+
+
+# ----------------------------------------------------------------------- verl.trainer.main_ppo (RL)
+
+RL_PREFIXES = {
+    "actor_rollout_ref.actor.": "actor.",
+    "actor_rollout_ref.model.": "model.",
+    "actor_rollout_ref.rollout.": "rollout.",
+}
+
+# actor_rollout_ref.model.*: path, trust_remote_code, enable_gradient_checkpointing, use_remove_padding,
+# lora_rank, lora_alpha and target_modules move to model.* as they are.
+RL_MODEL: dict[str, Rule] = {
+    "hf_config_path": Only((None,), "the model's own config.json is used"),
+    "tokenizer_path": Only((None,), "the tokenizer is model.path's"),
+    "use_shm": Ignore(SHM),
+    "custom_chat_template": Only((None,), "prompts use the tokenizer's own chat template"),
+    "external_lib": Only((None,), NO_CODE),
+    "override_config": Only(({},), "the model's config.json is used as it is"),
+    "override_config.*": Only(({},), "the model's config.json is used as it is"),
+    "lora.*": Only(
+        (None, {}), "Megatron's LoRA block: flatrl's LoRA is model.lora_rank, lora_alpha, target_modules"
+    ),
+    "enable_activation_offload": Ignore(MEMORY),
+    "exclude_modules": Only((None,), "LoRA wraps model.target_modules, with no exclusions"),
+    "lora_adapter_path": Only((None,), "LoRA starts from fresh adapters"),
+    "use_liger": Ignore(SPEED),
+    "use_fused_kernels": Ignore(SPEED),
+    "fused_kernel_options.*": Ignore(SPEED),
+    "tiled_mlp.*": Ignore(MEMORY),
+    "mtp.enable": Only((False,), "no multi-token prediction"),
+    "mtp.*": Ignore("read only with model.mtp.enable"),
+}
+
+# actor_rollout_ref.actor.*: the keys not listed move to actor.* as they are.
+RL_ACTOR: dict[str, Rule] = {
+    "strategy": Only(("fsdp", "fsdp2"), FSDP2),
+    "ppo_mini_batch_size": Map(
+        "actor.ppo_mini_batch_size", weak=("critic.ppo_mini_batch_size",), why=CRITIC_FOLLOWS
+    ),
+    "ppo_micro_batch_size": Map(
+        weak=("actor.ppo_micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB
+    ),
+    "use_dynamic_bsz": Map("actor.use_dynamic_bsz", weak=("critic.use_dynamic_bsz",), why=CRITIC_FOLLOWS),
+    "ppo_epochs": Map("actor.ppo_epochs", weak=("critic.ppo_epochs",), why=CRITIC_FOLLOWS),
+    "loss_agg_mode": Map("actor.loss_agg_mode", weak=("critic.loss_agg_mode",), why=CRITIC_FOLLOWS),
+    "clip_ratio": Map(
+        weak=("actor.clip_ratio_low", "actor.clip_ratio_high"), why="both, unless given themselves"
+    ),
+    "tau_pos": Ignore("read only by policy_loss.loss_mode=sapo"),
+    "tau_neg": Ignore("read only by policy_loss.loss_mode=sapo"),
+    "freeze_vision_tower": Ignore("text-only models"),
+    "policy_loss.loss_mode": Only(
+        ("vanilla",), "flatrl's policy loss is PPO-clip with dual clip (losses.py)"
+    ),
+    "policy_loss.*": Ignore("parameters of the other loss modes"),
+    "loss_scale_factor": Only((None,), "the loss is normalised as actor.loss_agg_mode says"),
+    "calculate_entropy": Ignore("the entropy is always logged (actor/entropy)"),
+    "use_prefix_grouper": Ignore(SPEED),
+    "use_torch_compile": Ignore(SPEED),
+    "use_fused_kernels": Ignore(SPEED),
+    "shuffle": Ignore(MB_IN_ORDER),
+    "data_loader_seed": Ignore(MB_IN_ORDER),
+    "checkpoint.*": Ignore(CKPT),
+    "profiler.*": Ignore(PROFILER),
+    "router_replay.mode": Only(("disabled",), "no MoE routing replay"),
+    "router_replay.*": Ignore("read only with router_replay.mode"),
+    "ulysses_sequence_parallel_size": Ignore(SP),
+    "entropy_from_logits_with_chunking": Ignore("flatrl's logprob kernel is always chunked"),
+    "entropy_checkpointing": Ignore(MEMORY),
+    "use_remove_padding": Map("model.use_remove_padding"),
+    "calculate_sum_pi_squared": Ignore("a diagnostic flatrl does not log"),
+    "sum_pi_squared_checkpointing": Ignore("a diagnostic flatrl does not log"),
+    "tis_imp_ratio_cap": Only((-1, None), "no truncated importance sampling of rollout logprobs"),
+    "rollout_n": Ignore("verl's copy of rollout.n"),
+    "megatron.*": Only((None, {}), MEGATRON),
+    **_under("optim", _optim("actor.optim", grad_clip="actor.grad_clip")),
+    **_under("fsdp_config", _fsdp("model.fsdp_config")),
+}
+
+# actor_rollout_ref.rollout.*: name, n, temperature, top_p, top_k, dtype, gpu_memory_utilization, ignore_eos,
+# enforce_eager, free_cache_engine, tensor_model_parallel_size, max_num_batched_tokens, max_num_seqs,
+# enable_chunked_prefill, enable_prefix_caching and val_kwargs.* move to rollout.* as they are.
+RL_ROLLOUT: dict[str, Rule] = {
+    "mode": Ignore("flatrl generates a step's prompts in one call to its in-process engine"),
+    "prompt_length": Map(weak=("data.max_prompt_length",), why="verl copies it from data"),
+    "response_length": Map(weak=("data.max_response_length",), why="verl copies it from data"),
+    "do_sample": Only((True,), "training rollouts sample; rollout.temperature=0 is greedy"),
+    "over_sample_rate": Only((0,), "every response is kept"),
+    "use_fire_sampling": Only((False,), "no FIRE sampling"),
+    "cudagraph_capture_sizes": Ignore(SPEED),
+    "data_parallel_size": Ignore(ONE_ENGINE),
+    "expert_parallel_size": Ignore(ONE_ENGINE),
+    "pipeline_model_parallel_size": Ignore(ONE_ENGINE),
+    "max_model_len": Ignore("the engine's length is data.max_prompt_length + data.max_response_length"),
+    "logprobs_mode": Ignore("the engine's logprobs only check the weight push; the trainer recomputes them"),
+    "calculate_log_probs": Ignore(
+        "the engine's logprobs only check the weight push; the trainer recomputes them"
+    ),
+    "scheduling_policy": Ignore(SPEED),
+    "load_format": Ignore("the engine loads model.path, then takes the trainer's weights every step"),
+    "layered_summon": Ignore(PUSH),
+    "update_weights_bucket_megabytes": Ignore(PUSH),
+    "checkpoint_engine.*": Ignore(PUSH),
+    "log_prob_micro_batch_size": Ignore(LOGPROBS),
+    "log_prob_micro_batch_size_per_gpu": Ignore(LOGPROBS),
+    "log_prob_use_dynamic_bsz": Ignore(LOGPROBS),
+    "log_prob_max_token_len_per_gpu": Ignore(LOGPROBS),
+    "disable_log_stats": Ignore("vLLM's own statistics are not logged"),
+    "multi_stage_wake_up": Ignore(MEMORY),
+    "engine_kwargs.*": Ignore("no extra engine arguments are passed: rollout.* holds those flatrl sets"),
+    "multi_turn.enable": Only((False,), "single-turn generation only"),
+    "multi_turn.*": Ignore("read only with multi_turn.enable"),
+    "agent.*": Ignore("agent loops run only for multi-turn rollouts"),
+    "chat_scheduler": Ignore("read only for multi-turn rollouts"),
+    "trace.*": Ignore("no rollout tracing"),
+    "skip_rollout": Only((False,), "every step generates"),
+    "skip_dump_dir": Ignore("read only with skip_rollout"),
+    "skip_tokenizer_init": Ignore("the engine always has a tokenizer"),
+    "enable_rollout_routing_replay": Only((False,), "no MoE routing replay"),
+    "profiler.*": Ignore(PROFILER),
+    "prometheus.*": Ignore("no Prometheus export"),
+    "quantization": Only((None,), "the engine runs the trainer's weights in rollout.dtype"),
+    "quantization_config_file": Only((None,), "the engine runs the trainer's weights in rollout.dtype"),
+    "mtp": Ignore("verl's copy of model.mtp"),
+}
+
+# data.*: train_files, val_files, prompt_key, max_prompt_length, max_response_length, train_batch_size,
+# filter_overlong_prompts and seed are flatrl's names.
+RL_DATA: dict[str, Rule] = {
+    "tokenizer": Only((None,), "the tokenizer is model.path's"),
+    "use_shm": Ignore(SHM),
+    "train_max_samples": Only((-1, None), ALL_ROWS),
+    "val_max_samples": Only((-1, None), ALL_ROWS),
+    "reward_fn_key": Only(("data_source",), "rewards dispatch on the data_source column"),
+    "val_batch_size": Ignore("validation generates for all its prompts in one call"),
+    "tool_config_path": Only((None,), "no tool calls (single-turn generation)"),
+    "return_raw_input_ids": Ignore(WORKERS),
+    "return_raw_chat": Ignore(WORKERS),
+    "return_full_prompt": Ignore(WORKERS),
+    "shuffle": Only((True,), "flatrl draws a seeded permutation of the prompts every epoch (data.seed)"),
+    "dataloader_num_workers": Ignore("prompts are tokenised once, at the start"),
+    "validation_shuffle": Ignore("validation scores do not depend on the order"),
+    "filter_overlong_prompts_workers": Ignore("prompts are tokenised once, at the start"),
+    "truncation": Only(("error",), "prompts are never cut: overlong ones are dropped or an error"),
+    "trust_remote_code": Ignore("the tokenizer follows model.trust_remote_code"),
+    "image_key": Ignore(TEXT_ONLY),
+    "video_key": Ignore(TEXT_ONLY),
+    "image_patch_size": Ignore(TEXT_ONLY),
+    "return_multi_modal_inputs": Ignore(TEXT_ONLY),
+    "custom_cls.path": Only((None,), f"data.RLDataset reads verl's schema; {NO_CODE}"),
+    "custom_cls.name": Ignore("read only with data.custom_cls.path"),
+    "sampler.class_path": Only((None,), f"data.EpochSampler draws the prompts; {NO_CODE}"),
+    "sampler.class_name": Ignore("read only with data.sampler.class_path"),
+    "datagen.path": Only((None,), NO_CODE),
+    "datagen.name": Ignore("read only with data.datagen.path"),
+    "apply_chat_template_kwargs": Only(({},), "prompts are rendered with the chat template's defaults"),
+    "apply_chat_template_kwargs.*": Only(({},), "prompts are rendered with the chat template's defaults"),
+}
+
+# algorithm.*: adv_estimator and kl_penalty are flatrl's names; gamma, lam, use_kl_in_reward and kl_ctrl.* in
+# ppo.py.
+RL_ALGORITHM: dict[str, Rule] = {
+    "use_pf_ppo": Only((False,), "no preference-feedback PPO reweighting"),
+    "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo"),
+    "filter_groups.enable": Only((False,), "no DAPO dynamic sampling"),
+    "filter_groups.*": Ignore("read only with algorithm.filter_groups.enable"),
+    "rollout_correction.rollout_is": Only(
+        (None,), "no rollout importance sampling: old logprobs are recomputed"
+    ),
+    "rollout_correction.rollout_rs": Only((None,), "no rollout rejection sampling"),
+    "rollout_correction.bypass_mode": Only((False,), "the trainer always recomputes old logprobs"),
+    "rollout_correction.*": Ignore("read only with rollout_is / rollout_rs"),
+    "rollout_is": Only((False, None), "no rollout importance sampling: old logprobs are recomputed"),
+    "rollout_is_level": Ignore("read only with algorithm.rollout_is"),
+    "rollout_is_mode": Ignore("read only with algorithm.rollout_is"),
+    "rollout_is_threshold": Ignore("read only with algorithm.rollout_is"),
+    "rollout_is_threshold_lower": Ignore("read only with algorithm.rollout_is"),
+    "rollout_is_veto_threshold": Ignore("read only with algorithm.rollout_is"),
+}
+
+# trainer.*: total_epochs, total_training_steps, project_name, experiment_name, save_freq, test_freq,
+# resume_mode, val_before_train, val_only and default_local_dir are flatrl's names.
+RL_TRAINER: dict[str, Rule] = {
+    "logger": Map("trainer.logger", convert=_as_list),
+    "n_gpus_per_node": Pair("torchrun sets the ranks (--nproc_per_node); checked against WORLD_SIZE"),
+    "nnodes": Pair("torchrun sets the ranks (--nnodes); checked against WORLD_SIZE"),
+    "resume_from_path": Pair(
+        "read with trainer.resume_mode=resume_path, which becomes trainer.resume_mode=PATH"
+    ),
+    "max_actor_ckpt_to_keep": Map("trainer.max_ckpt_to_keep"),
+    "max_critic_ckpt_to_keep": Ignore(
+        "one checkpoint holds the actor and the critic: trainer.max_ckpt_to_keep"
+    ),
+    "remove_previous_ckpt_in_save": Only((False,), "give trainer.max_ckpt_to_keep=1 instead"),
+    "default_hdfs_dir": Ignore("no HDFS copy: checkpoints stay in trainer.default_local_dir"),
+    "del_local_ckpt_after_load": Only((False, None), "local checkpoints are kept"),
+    "balance_batch": Ignore("each rank trains on its prompts' responses; losses are normalised globally"),
+    "log_val_generations": Ignore(SAMPLES),
+    "val_generations_to_log_to_wandb": Ignore(SAMPLES),
+    "rollout_data_dir": Ignore("rollouts are not dumped to files"),
+    "validation_data_dir": Ignore("validation generations are not dumped to files"),
+    "esi_redundant_time": Ignore("no elastic-instance deadline"),
+    "ray_wait_register_center_timeout": Ignore("no Ray"),
+    "device": Only(("cuda", "cpu", None), "flatrl runs on CUDA, or the CPU when there is none"),
+    "use_legacy_worker_impl": Ignore("verl's choice of worker implementation; flatrl has one"),
+    "profile_steps": Ignore(PROFILER),
+    "profile_continuous_steps": Ignore(PROFILER),
+    "npu_profile.*": Ignore(PROFILER),
+    "controller_nsight_options.*": Ignore(PROFILER),
+    "worker_nsight_options.*": Ignore(PROFILER),
+}
+
+RL: dict[str, Rule] = {
+    "defaults": Ignore(DEFAULTS),
+    "hydra.*": Ignore("Hydra's own settings (output folder, logging)"),
+    "debug": Map("trainer.debug"),
+    **_under("actor_rollout_ref.model", RL_MODEL),
+    **_under("actor_rollout_ref.actor", RL_ACTOR),
+    "actor_rollout_ref.ref.model": Only((None,), "the reference is the starting policy (model.path)"),
+    "actor_rollout_ref.ref.*": Ignore(REF),
+    **_under("actor_rollout_ref.rollout", RL_ROLLOUT),
+    "actor_rollout_ref.profiler.*": Ignore(PROFILER),
+    "actor_rollout_ref.hybrid_engine": Only((True,), "the engine always shares the trainer's GPUs"),
+    "actor_rollout_ref.nccl_timeout": Map("trainer.timeout_s"),
+    **_under("data", RL_DATA),
+    # custom_reward_function.path and .name are flatrl's names.
+    "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
+    "reward_model.reward_manager": Only(("naive", "prime"), REWARD_FN),
+    "reward_model.launch_reward_fn_async": Ignore(
+        "flatrl always scores in the background, beside the logprobs"
+    ),
+    "reward_model.sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
+    "reward_model.*": Ignore("read only with reward_model.enable"),
+    "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
+    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
+    "reward_manager.module.path": Only((None,), NO_CODE),
+    "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
+    **_under("algorithm", RL_ALGORITHM),
+    **_under("trainer", RL_TRAINER),
+    "global_profiler.*": Ignore(PROFILER),
+    "ray_init.*": Ignore("no Ray"),
+    "ray_kwargs.*": Ignore("no Ray"),
+    "transfer_queue.*": Ignore("no transfer queue: one process per GPU"),
+    # The layout of verl's config tutorial: batch and clip settings under trainer and algorithm.
+    "algorithm.clip_ratio": Map(
+        weak=("actor.clip_ratio_low", "actor.clip_ratio_high"), why="the actor's PPO clip"
+    ),
+    "trainer.ppo_micro_batch_size_per_gpu": Map("actor.ppo_micro_batch_size_per_gpu"),
+    "trainer.use_dynamic_bsz": Map("actor.use_dynamic_bsz"),
+    "trainer.grad_clip": Map("actor.grad_clip"),
+    "trainer.num_epochs": Only(
+        (1,),
+        "ambiguous: give trainer.total_epochs (passes over the data) or actor.ppo_epochs (updates per batch)",
+    ),
+    "trainer.fsdp_config.sharding_strategy": Map(
+        "model.fsdp_config.reshard_after_forward",
+        convert=_sharding,
+        why="FULL_SHARD: true, SHARD_GRAD_OP: false",
+    ),
+    "trainer.fsdp_config.cpu_offload": Map("model.fsdp_config.cpu_offload"),
+}
+
+GRPO: dict[str, Rule] = {
+    "algorithm.gamma": Only((1,), "grpo.py's estimators score whole responses (gamma 1)"),
+    "algorithm.lam": Ignore("GAE's lambda: grpo.py has no GAE (ppo.py does)"),
+    "algorithm.use_kl_in_reward": Only(
+        (False,), "grpo.py's KL is a loss (actor.use_kl_loss); KL in the reward is ppo.py's"
+    ),
+    "algorithm.kl_ctrl.*": Ignore("read only with algorithm.use_kl_in_reward (ppo.py)"),
+    "critic.enable": Only((None, False), NO_CRITIC),
+    "critic.*": Ignore(NO_CRITIC),
+    "trainer.critic_warmup": Only((0,), NO_CRITIC),
+}
+
+# critic.*: the keys not listed are flatrl's names.
+PPO_CRITIC: dict[str, Rule] = {
+    "enable": Only((None, True), "ppo.py always trains the critic"),
+    "strategy": Only(("fsdp", "fsdp2"), FSDP2),
+    "rollout_n": Ignore("verl's copy of rollout.n"),
+    "ppo_micro_batch_size": Map(
+        weak=("critic.ppo_micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB
+    ),
+    "forward_micro_batch_size": Ignore(
+        "values are computed in critic.ppo_micro_batch_size_per_gpu micro-batches"
+    ),
+    "forward_micro_batch_size_per_gpu": Ignore(
+        "values are computed in critic.ppo_micro_batch_size_per_gpu micro-batches"
+    ),
+    "forward_max_token_len_per_gpu": Ignore("values are computed under critic.ppo_max_token_len_per_gpu"),
+    "shuffle": Ignore(MB_IN_ORDER),
+    "data_loader_seed": Ignore(MB_IN_ORDER),
+    "checkpoint.*": Ignore(CKPT),
+    "profiler.*": Ignore(PROFILER),
+    "ulysses_sequence_parallel_size": Ignore(SP),
+    "model.tokenizer_path": Ignore("the critic reads the actor's tokens"),
+    "model.override_config": Only(({},), "the model's config.json is used as it is"),
+    "model.override_config.*": Only(({},), "the model's config.json is used as it is"),
+    "megatron.*": Only((None, {}), MEGATRON),
+    "model.external_lib": Only((None,), NO_CODE),
+    "model.use_shm": Ignore(SHM),
+    "model.enable_activation_offload": Ignore(MEMORY),
+    "model.tiled_mlp.*": Ignore(MEMORY),
+    **_under("optim", _optim("critic.optim", grad_clip="critic.grad_clip")),
+    **_under("model.fsdp_config", _fsdp("critic.model.fsdp_config")),
+    # After the spread: these two read differently for the critic.
+    "model.fsdp_config.optimizer_offload": Ignore(
+        "the actor's model.fsdp_config.offload_optimizer_in_rollout moves both optimizers' state (memory only)"
+    ),
+    "model.lora_rank": Only((0,), "the critic trains all its weights (LoRA is the actor's)"),
+}
+
+PPO: dict[str, Rule] = {
+    "algorithm.norm_adv_by_std_in_grpo": Ignore("grpo.py's option; ppo.py whitens its GAE advantages"),
+    **_under("critic", PPO_CRITIC),
+}
+
+# ------------------------------------------------------------------- verl.trainer.fsdp_sft_trainer (SFT)
+
+# data.*: train_files, val_files, prompt_key, response_key, prompt_dict_keys, response_dict_keys, max_length,
+# truncation, train_batch_size and micro_batch_size_per_gpu are flatrl's names.
+SFT_DATA: dict[str, Rule] = {
+    "micro_batch_size": Map(weak=("data.micro_batch_size_per_gpu",), convert=_per_gpu, why=GLOBAL_MB),
+    "train_max_samples": Only((-1, None), ALL_ROWS),
+    "val_max_samples": Only((-1, None), ALL_ROWS),
+    "multiturn.enable": Ignore("a row whose data.messages_key column is set is read as a chat"),
+    "multiturn.messages_key": Map("data.messages_key"),
+    "multiturn.tools_key": Ignore("tools are not passed to the chat template"),
+    "multiturn.enable_thinking_key": Ignore("the chat template's defaults are used"),
+    "balance_dp_token": Ignore("each rank's share is always balanced by tokens"),
+    "chat_template": Only((None,), "the tokenizer's own chat template is used"),
+    "custom_cls.path": Only((None,), f"data.SFTDataset reads the rows; {NO_CODE}"),
+    "custom_cls.name": Ignore("read only with data.custom_cls.path"),
+    "use_shm": Ignore(SHM),
+    "apply_chat_template_kwargs": Only(({},), "the chat template's defaults are used"),
+    "apply_chat_template_kwargs.*": Only(({},), "the chat template's defaults are used"),
+}
+
+# model.*: partial_pretrain, trust_remote_code, enable_gradient_checkpointing, lora_rank, lora_alpha,
+# target_modules and fsdp_config.cpu_offload are flatrl's names.
+SFT_MODEL: dict[str, Rule] = {
+    "fsdp_config.model_dtype": Only(
+        ("fp32", "float32", None), "master weights are fp32; param_dtype computes"
+    ),
+    "fsdp_config.wrap_policy.*": Ignore("each decoder layer is one FSDP unit"),
+    "fsdp_config.offload_params": Ignore(f"{OFFLOAD}, with model.fsdp_config.cpu_offload"),
+    "external_lib": Only((None,), NO_CODE),
+    "use_liger": Ignore(SPEED),
+    "strategy": Only(("fsdp", "fsdp2"), FSDP2),
+    "use_shm": Ignore(SHM),
+}
+
+# trainer.*: default_local_dir, project_name, experiment_name, total_epochs, total_training_steps, seed,
+# save_freq, test_freq, max_ckpt_to_keep and resume_mode are flatrl's names.
+SFT_TRAINER: dict[str, Rule] = {
+    "logger": Map("trainer.logger", convert=_as_list),
+    "n_gpus_per_node": Pair("torchrun sets the ranks (--nproc_per_node); checked against WORLD_SIZE"),
+    "nnodes": Pair("torchrun sets the ranks (--nnodes); checked against WORLD_SIZE"),
+    "resume_from_path": Pair(
+        "read with trainer.resume_mode=resume_path, which becomes trainer.resume_mode=PATH"
+    ),
+    "resume_path": Map("trainer.resume_mode", why="a checkpoint path in resume_mode resumes from it"),
+    "default_hdfs_dir": Ignore("no HDFS copy: checkpoints stay in trainer.default_local_dir"),
+    "checkpoint.*": Ignore(CKPT),
+    "device": Only(("cuda", "cpu", None), "flatrl runs on CUDA, or the CPU when there is none"),
+}
+
+SFT: dict[str, Rule] = {
+    "defaults": Ignore(DEFAULTS),
+    "hydra.*": Ignore("Hydra's own settings (output folder, logging)"),
+    "debug": Map("trainer.debug"),
+    **_under("data", SFT_DATA),
+    **_under("model", SFT_MODEL),
+    **_under("optim", _optim("optim", grad_clip=None)),
+    "ulysses_sequence_parallel_size": Ignore(SP),
+    "use_remove_padding": Map("model.use_remove_padding"),
+    **_under("trainer", SFT_TRAINER),
+}
+
+HYDRA_TARGET = Ignore(
+    "Hydra's `_target_`: the class verl builds from the section; flatrl's dataclasses are fixed"
+)
+"""The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
+
+HINTS = {
+    "algorithm.adv_estimator": "grpo.py runs grpo, rloo and reinforce_plus_plus; ppo.py runs gae (with a critic)",
+    "rollout.name": "flatrl's engines: vllm, or hf (transformers' generate, for tests)",
+}
+
+
+# ----------------------------------------------------------------------------------------- the docs
+
+
+def _describe(key: str, rule: Rule) -> tuple[str, str]:
+    if isinstance(rule, Map):
+        dests = [f"`{t}`" for t in rule.to] + [f"`{t}` (weak)" for t in rule.weak]
+        return "-> " + ", ".join(dests), rule.why
+    if isinstance(rule, Ignore):
+        return "ignored", rule.why
+    if isinstance(rule, Pair):
+        return "read together", rule.why
+    values = ", ".join(
+        "null" if v is None else f"`{json.dumps(v) if not isinstance(v, str) else v}`" for v in rule.values
+    )
+    return f"only {values}; else an error", rule.why
+
+
+def markdown() -> str:
+    """The tables as markdown: one section per table, a row per key (docs/VERL.md holds this text)."""
+    sections = [
+        ("verl.trainer.main_ppo: grpo.py and ppo.py", RL),
+        ("main_ppo keys read differently by grpo.py", GRPO),
+        ("main_ppo keys read differently by ppo.py", PPO),
+        ("verl.trainer.fsdp_sft_trainer: sft.py", SFT),
+    ]
+    lines = []
+    for title, table in sections:
+        lines += [f"### {title}", "", "| verl key | flatrl | why |", "|---|---|---|"]
+        for key, rule in table.items():
+            what, why = _describe(key, rule)
+            lines.append(f"| `{key}` | {what} | {why} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
