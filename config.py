@@ -24,7 +24,6 @@ unquoted command-line value (`Unquoted`) is read by the field's type: `experimen
 """
 
 import argparse
-import copy
 import dataclasses
 import os
 import sys
@@ -320,18 +319,15 @@ def _yaml_files(opts: argparse.Namespace) -> list[str]:
     return files
 
 
-def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict], dict] | None = None) -> T:
+def parse(cls: type[T], argv: list[str] | None = None) -> T:
     """Parse the command line into a `cls` instance: dataclass defaults < YAML < overrides < tyro flags.
 
     Args:
         cls: the script's frozen dataclass tree (every field needs a default, or a value in the YAML).
         argv: arguments without the program name; None reads `sys.argv[1:]`.
-        yaml_hook: unused, kept so older callers run: verl's layout is mapped here for every script
-            (verl_keys), for YAML and for the command line alike.
     Returns: the resolved config. Exits 0 after printing it if `--print-config` was given; exits
     with a one-line message on a bad file, key or value.
     """
-    del yaml_hook
     # Our options are taken out before tyro sees argv; allow_abbrev=False so `--conf` is not eaten.
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", action="append", default=[])
@@ -382,23 +378,3 @@ def parse(cls: type[T], argv: list[str] | None = None, yaml_hook: Callable[[dict
         sys.stdout.flush()
         raise SystemExit(0)
     return cfg
-
-
-def move_keys(d: Mapping, moves: Mapping[str, str | None]) -> dict:
-    """Return a copy of `d` with dotted keys moved, e.g. `{"actor_rollout_ref.actor.optim": "optim"}`.
-
-    Kept for rl.verl_layout until the scripts stop passing it (`parse` maps verl's layout itself now).
-    A source names a leaf or a whole section; absent sources are skipped; a destination of None drops the
-    key. A section moved onto an existing one merges into it; writing over an existing value is a ValueError.
-    """
-    flat = overrides.flatten(copy.deepcopy(dict(d)))
-    for src, dst in moves.items():
-        for key in [k for k in flat if k == src or k.startswith(src + ".")]:
-            value = flat.pop(key)
-            if dst is None:
-                continue
-            new = dst + key[len(src) :]
-            if any(k == new or k.startswith(new + ".") or new.startswith(k + ".") for k in flat):
-                raise ValueError(f"move_keys: moving '{key}' would overwrite existing '{new}'")
-            flat[new] = value
-    return overrides.unflatten(flat)

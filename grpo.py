@@ -264,7 +264,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         ref = actor.load_reference(cfg.model, policy, run.dist.device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
-    offload = rl.offloads(cfg, optimizer)
+    offload = rl.offloads(cfg.model.fsdp_config, optimizer)
     components = {"": (policy, optimizer, hf_files)}
     one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size)  # no old-logprob pass
     engine = None
@@ -315,4 +315,4 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    fsdp.run_main(main, config.parse(GRPOConfig, yaml_hook=rl.verl_layout))
+    fsdp.run_main(main, config.parse(GRPOConfig))

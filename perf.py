@@ -173,6 +173,18 @@ class PhaseMemory:
         return out
 
 
+def peaks_text(metrics: dict[str, float]) -> str:
+    """trainer.debug's memory part of a step's console line: each phase's peak allocated device memory in GiB, from
+    the step's perf/memory/<phase>_peak_allocated_gb metrics (PhaseMemory)."""
+    suffix = "_peak_allocated_gb"
+    peaks = ", ".join(
+        f"{k.removeprefix('perf/memory/').removesuffix(suffix)} {v:.2f}"
+        for k, v in metrics.items()
+        if k.startswith("perf/memory/") and k.endswith(suffix)
+    )
+    return f"peak allocated GiB: {peaks}" if peaks else "no CUDA device (memory not tracked)"
+
+
 class PhaseTimer(log.Timer):
     """log.Timer that also records each phase's CUDA memory (PhaseMemory); `pop()` returns both.
 

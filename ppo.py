@@ -358,7 +358,9 @@ def main(cfg: PPOConfig) -> dict[str, float]:
     critic_optimizer, critic_scheduler = optim.build(critic.parameters(), cfg.critic.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)  # counts the critic's and the actor's steps
     kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
-    offload = rl.offloads(cfg, optimizer, critic_optimizer)
+    offload = rl.offloads(cfg.model.fsdp_config, optimizer) + rl.offloads(
+        cfg.critic.model.fsdp_config, critic_optimizer
+    )
     components = {"": (policy, optimizer, hf_files), "critic": (critic, critic_optimizer, critic_files)}
     # As grpo.py, unless the KL in the reward needs the old logprobs before the advantages.
     one_step = (
@@ -422,4 +424,4 @@ def main(cfg: PPOConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    fsdp.run_main(main, config.parse(PPOConfig, yaml_hook=rl.verl_layout))
+    fsdp.run_main(main, config.parse(PPOConfig))

@@ -2,7 +2,7 @@
 One job a section:
 
 - settings: `RLDataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*), `RLTrainerConfig`
-  (trainer.*), and `verl_layout`, which maps verl's `actor_rollout_ref.*` YAML sections onto ours;
+  (trainer.*); verl's key names are mapped by config.parse (verl_keys.py, docs/VERL.md);
 - set-up and checkpoints: `start` (process group, tokenizer, datasets, sampler, reward pool), `make_engine`,
   `resume`, `save`, `close`;
 - rollouts: `Run.next_prompts`, `generate` (seeded per step and rank, so a resumed run draws the same responses
@@ -102,19 +102,6 @@ class RLTrainerConfig(config.TrainerConfig):
     flag to lower where it does not fit) and exit before loading anything."""
 
 
-def verl_layout(d: dict) -> dict:
-    """Maps verl's `actor_rollout_ref.{model,actor,rollout,ref}` YAML sections onto ours (a config yaml_hook)."""
-    return config.move_keys(
-        d,
-        {
-            "actor_rollout_ref.model": "model",
-            "actor_rollout_ref.actor": "actor",
-            "actor_rollout_ref.rollout": "rollout",
-            "actor_rollout_ref.ref": None,  # the reference is the initial policy; nothing to configure
-        },
-    )
-
-
 # ------------------------------------------------------------------------------ set-up, checkpoints
 
 
@@ -182,8 +169,9 @@ def start(cfg: Any) -> Run:
 
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
     fsdp.stop_at_step_boundary_on_sigterm()
-    if cfg.trainer.plan:
+    if cfg.trainer.plan or cfg.trainer.debug:
         fsdp.print0(perf.plan(cfg, d.world_size).render())
+    if cfg.trainer.plan:
         raise SystemExit(0)
     fsdp.seed_everything(cfg.trainer.seed)
     model_path = os.path.expanduser(cfg.model.path)
@@ -196,6 +184,7 @@ def start(cfg: Any) -> Run:
         apply_chat_template=cfg.data.apply_chat_template,
         filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         skip_bad_rows=cfg.data.skip_bad_rows,
+        custom_reward=cfg.custom_reward_function.path is not None,  # data_source, ground_truth optional then
     )
     train = None if cfg.trainer.val_only else data.RLDataset(cfg.data.train_files, **ds_kwargs)
     val = data.RLDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
@@ -421,11 +410,10 @@ def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def offloads(cfg: Any, *optimizers: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
-    """With model.fsdp_config.offload_optimizer_in_rollout, one fsdp.OptimizerOffload per optimizer, else none."""
-    if not cfg.model.fsdp_config.offload_optimizer_in_rollout:
-        return []
-    return [fsdp.OptimizerOffload(o) for o in optimizers]
+def offloads(fsdp_cfg: fsdp.FSDPConfig, optimizer: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
+    """[fsdp.OptimizerOffload(optimizer)] when fsdp_cfg.offload_optimizer_in_rollout (the policy's
+    model.fsdp_config, or the critic's critic.model.fsdp_config), else []."""
+    return [fsdp.OptimizerOffload(optimizer)] if fsdp_cfg.offload_optimizer_in_rollout else []
 
 
 def push(
@@ -568,6 +556,9 @@ def finish_step(
     if peaks:  # this step's peak: PhaseTimer resets the counters at every phase boundary
         metrics["perf/max_memory_allocated_gb"] = max(peaks)
     run.logger.log(metrics, step=step)
+    if trainer.debug:  # verl's debug=true: memory and gradient norms on the console
+        norms = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.endswith("/grad_norm"))
+        fsdp.print0(f"debug step {step}: {norms}, {perf.peaks_text(metrics)}")
     results |= {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/mean"))}
     stop = fsdp.stop_requested()  # SIGTERM on any rank: save, then exit (the same command resumes)
     if stop or guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):

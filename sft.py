@@ -238,14 +238,7 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
 
 def debug_line(step: int, loss: float, grad_norm: float, memory: dict[str, float]) -> str:
     """trainer.debug's line for a step: loss, gradient norm (before clipping), each phase's peak device memory."""
-    suffix = "_peak_allocated_gb"
-    peaks = ", ".join(
-        f"{k.removeprefix('perf/memory/').removesuffix(suffix)} {v:.2f}"
-        for k, v in memory.items()
-        if k.endswith(suffix)
-    )
-    where = f"peak allocated GiB: {peaks}" if peaks else "no CUDA device (memory not tracked)"
-    return f"debug step {step}: loss {loss:.4f}, grad_norm {grad_norm:.4f}, {where}"
+    return f"debug step {step}: loss {loss:.4f}, grad_norm {grad_norm:.4f}, {perf.peaks_text(memory)}"
 
 
 @torch.no_grad()

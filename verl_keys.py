@@ -488,10 +488,7 @@ PPO_CRITIC: dict[str, Rule] = {
     "model.tiled_mlp.*": Ignore(MEMORY),
     **_under("optim", _optim("critic.optim", grad_clip="critic.grad_clip")),
     **_under("model.fsdp_config", _fsdp("critic.model.fsdp_config")),
-    # After the spread: these two read differently for the critic.
-    "model.fsdp_config.optimizer_offload": Ignore(
-        "the actor's model.fsdp_config.offload_optimizer_in_rollout moves both optimizers' state (memory only)"
-    ),
+    # After the spread: this one reads differently for the critic.
     "model.lora_rank": Only((0,), "the critic trains all its weights (LoRA is the actor's)"),
 }
 

@@ -1,4 +1,4 @@
-"""config.py: defaults, strict YAML, CLI precedence, Hydra-style overrides, --print-config round trip, move_keys."""
+"""config.py: defaults, strict YAML, CLI precedence, Hydra-style overrides, --print-config round trip."""
 
 import dataclasses
 import sys
@@ -146,41 +146,6 @@ def test_help_shows_yaml_defaults(tmp_path, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "4321" in out and "training steps" in out and "--print-config" in out
-
-
-def test_move_keys(tmp_path):
-    verl = {
-        "actor_rollout_ref": {
-            "model": {"path": "/m"},
-            "actor": {"optim": {"lr": "1e-6"}, "ppo_epochs": 1},
-        },
-        "trainer": {"total_training_steps": 3, "nnodes": 1},
-        "optim": {"warmup_steps": 2},
-    }
-    moves = {
-        "actor_rollout_ref.model": "model",
-        "actor_rollout_ref.actor.optim": "optim",
-        "trainer.total_training_steps": "total_steps",
-        "trainer.nnodes": None,
-        "not.there": "model",
-    }
-    out = config.move_keys(verl, moves)
-    assert out == {
-        "actor_rollout_ref": {"actor": {"ppo_epochs": 1}},  # the unmapped key stays, to be flagged
-        "model": {"path": "/m"},
-        "optim": {"warmup_steps": 2, "lr": "1e-6"},  # merged with the existing section
-        "total_steps": 3,
-    }
-    assert verl["trainer"] == {"total_training_steps": 3, "nnodes": 1}  # input untouched
-    with pytest.raises(ValueError, match="overwrite existing 'optim.warmup_steps'"):
-        config.move_keys({"a": {"warmup_steps": 1}, "optim": {"warmup_steps": 2}}, {"a": "optim"})
-
-
-def test_yaml_hook_is_no_longer_applied(tmp_path):
-    """parse maps verl's layout itself; a hook passed by an older caller changes nothing."""
-    path = _write(tmp_path, "total_steps: 3\n")
-    hooked = config.parse(TinyCfg, ["--config", path], yaml_hook=lambda d: {"total_steps": 99})
-    assert hooked == config.parse(TinyCfg, ["--config", path]) and hooked.total_steps == 3
 
 
 def test_overrides_on_any_config(tmp_path, capsys):
