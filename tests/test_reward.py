@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import math
+import subprocess
 import sys
 import textwrap
 import time
@@ -258,6 +261,7 @@ def test_default_compute_score_dispatch():
 
 REWARDS_PY = """
 import os
+import subprocess
 import sys
 import time
 
@@ -307,6 +311,23 @@ def with_dict(prompt, response):
 
 def bad_dict(prompt, response):
     return {"acc": 1.0}
+
+
+def spawn(prompt, response):  # starts a child that would outlive its worker; its pid goes to the file `prompt`
+    child = subprocess.Popen(["sleep", "300"])
+    with open(prompt, "w") as f:
+        f.write(str(child.pid))
+    if response == "hang":
+        time.sleep(30)
+    return 1.0
+
+
+def loud(prompt, response):  # 1 MB of stderr (Python and fd level) and of exception text
+    sys.stderr.write("e" * 1_000_000)
+    os.write(2, b"f" * 100_000)
+    if response == "raise":
+        raise ValueError("x" * 1_000_000)
+    return 1.0
 
 not_a_function = 3
 """
@@ -386,7 +407,7 @@ MIXED_REWARDS = [1.0, 0, 0.5, 0, 0, 4.0, 0, 0, 0, 0, 2.0, 0, 0, 7.0, 0, 0]
 
 def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
     start = time.perf_counter()
-    with RewardPool((rewards_py, "mixed"), num_workers=2, timeout_s=1.0) as pool:
+    with RewardPool((rewards_py, "mixed"), num_workers=2, timeout_s=1.0, max_error_frac=1.0) as pool:
         rewards, metrics = pool.score([_item(r) for r in MIXED])
         assert rewards == MIXED_REWARDS  # every other sample keeps its score; the nap within 1 s counts
         assert metrics == {
@@ -395,6 +416,7 @@ def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
             "reward/errors_exception": 3.0,  # raise, sys.exit, a worker that died (os._exit)
             "reward/errors_bad_type": 6.0,  # str, nan, None, inf, [1.0], -inf
             "reward/errors_print": 0.0,  # printing is fine by default (verl's scorers print)
+            "reward/errors_out_of_range": 0.0,
             "reward/printed": 1.0,
         }
         assert len(pool.last_errors) == 11 and any("boom" in m for m in pool.last_errors)
@@ -410,7 +432,7 @@ def test_pool_counts_every_kind_of_failure(rewards_py, capfd):
 
 def test_pool_in_process_mode(rewards_py, capfd):
     items = [_item(r) for r in MIXED if r not in ("slow", "crash")]
-    with RewardPool((rewards_py, "mixed"), num_workers=0) as pool:
+    with RewardPool((rewards_py, "mixed"), num_workers=0, max_error_frac=1.0) as pool:
         rewards, metrics = pool.score(items)
     assert rewards == [r for r, k in zip(MIXED_REWARDS, MIXED, strict=True) if k not in ("slow", "crash")]
     assert metrics["reward/errors"] == 8.0 and metrics["reward/errors_timeout"] == 0.0
@@ -422,7 +444,9 @@ def test_pool_in_process_mode(rewards_py, capfd):
 def test_print_is_error_option(rewards_py, capfd):
     items = [_item("print:4"), _item("ok:1"), _item("print:2")]
     for workers in (0, 1):
-        with RewardPool((rewards_py, "mixed"), num_workers=workers, print_is_error=True) as pool:
+        with RewardPool(
+            (rewards_py, "mixed"), num_workers=workers, print_is_error=True, max_error_frac=1.0
+        ) as pool:
             rewards, metrics = pool.score(items)
         assert rewards == [0.0, 1.0, 0.0], workers
         assert metrics["reward/errors_print"] == 2.0 and metrics["reward/printed"] == 2.0
@@ -434,7 +458,7 @@ def test_pool_dict_extras_default_dispatch_and_options(rewards_py):
     with RewardPool((rewards_py, "with_dict"), num_workers=1) as pool:
         rewards, metrics = pool.score([_item("a"), _item("b"), _item("a"), _item("c")])
     assert rewards == [0.5] * 4 and metrics["reward/acc"] == 0.5 and "reward/tag" not in metrics
-    with RewardPool((rewards_py, "bad_dict"), num_workers=0) as pool:
+    with RewardPool((rewards_py, "bad_dict"), num_workers=0, max_error_frac=1.0) as pool:
         assert pool.score([_item("a")])[1]["reward/errors_bad_type"] == 1.0
     with RewardPool((rewards_py, "mixed"), num_workers=1) as pool:
         rewards, metrics = pool.score([_item("print:3")])
@@ -466,7 +490,7 @@ def test_pool_bad_spec_raises_at_construction(rewards_py, tmp_path):
 
 
 def test_pool_survives_a_replacement_worker_that_cannot_start(rewards_py):
-    with RewardPool((rewards_py, "mixed"), num_workers=1, timeout_s=1.0) as pool:
+    with RewardPool((rewards_py, "mixed"), num_workers=1, timeout_s=1.0, max_error_frac=1.0) as pool:
         good = Path(rewards_py).read_text()
         Path(rewards_py).write_text("raise ImportError('file broken after start')\n")
         rewards, metrics = pool.score([_item("slow"), _item("ok:1")])  # the replacement fails to load
@@ -474,3 +498,126 @@ def test_pool_survives_a_replacement_worker_that_cannot_start(rewards_py):
         assert metrics["reward/errors_exception"] == 1.0 and "no reward worker" in pool.last_errors[1]
         Path(rewards_py).write_text(good)
         assert pool.score([_item("ok:1"), _item("ok:2")])[0] == [1.0, 2.0]  # score() refills the pool
+
+
+# ---------------------------------------------------------------- failures that must not pass silently
+
+
+def test_pool_stops_when_most_calls_fail(rewards_py):
+    for workers in (0, 1):
+        with RewardPool((rewards_py, "mixed"), num_workers=workers) as pool:  # max_error_frac 0.5
+            rewards, metrics = pool.score([_item("raise"), _item("raise"), _item("ok:1"), _item("ok:2")])
+            assert rewards == [0.0, 0.0, 1.0, 2.0] and metrics["reward/errors"] == 2.0  # half: not more
+            with pytest.raises(
+                RuntimeError, match=r"^3 of 4 reward calls failed .*max_error_frac=0.5.*boom$"
+            ):
+                pool.score([_item("raise"), _item("ok:1"), _item("raise"), _item("raise")])
+    with RewardPool(None, num_workers=1) as pool:  # every row's data_source has no scorer
+        with pytest.raises(RuntimeError, match=r"2 of 2 .*no reward function for data_source 'my/set'"):
+            pool.score([_item("#### 1", data_source="my/set")] * 2)
+    with pytest.raises(ValueError, match=r"num_workers=-1 must be >= 0"):
+        RewardPool(None, num_workers=-1)
+    with pytest.raises(ValueError, match=r"max_error_frac=1.5 must be in \[0, 1\]"):
+        RewardPool(None, num_workers=0, max_error_frac=1.5)
+
+
+def test_check_data_sources_names_the_unknown_ones(rewards_py):
+    reward.check_data_sources(["openai/gsm8k", "countdown-3to4", "HuggingFaceH4/MATH-500"], None)
+    with pytest.raises(ValueError, match=r"data_source 'my/set'; registered: openai/gsm8k, .*countdown\*"):
+        reward.check_data_sources(["openai/gsm8k", "my/set", "my/set"], None)
+    reward.check_data_sources(["my/set"], (rewards_py, "mixed"))  # a custom function scores any source
+
+
+def test_module_that_exits_while_imported_is_named(tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text("import os\nimport sys\nsys.stderr.write('loading exits.py')\nos._exit(3)\n")
+    with pytest.raises(
+        ValueError, match=r"exited with code 3 while importing .*exits\.py.*loading exits\.py"
+    ):
+        RewardPool((str(path), "f"), num_workers=2)
+
+
+def test_in_process_mode_enforces_the_timeout(rewards_py):
+    start = time.perf_counter()
+    with RewardPool((rewards_py, "mixed"), num_workers=0, timeout_s=1.0) as pool:
+        rewards, metrics = pool.score([_item("slow"), _item("ok:2"), _item("nap")])
+        assert rewards == [0.0, 2.0, 7.0] and metrics["reward/errors_timeout"] == 1.0
+        assert "timed out" in pool.last_errors[0]
+        assert time.perf_counter() - start < 5.0  # the 30 s sleep was cut at 1 s
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:  # signals work only in the main thread
+            with pytest.raises(RuntimeError, match="main thread.*num_workers >= 1"):
+                ex.submit(pool.score, [_item("ok:1")]).result()
+    with RewardPool((rewards_py, "mixed"), num_workers=0, timeout_s=math.inf) as pool:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:  # no limit: nothing to enforce
+            assert ex.submit(pool.score, [_item("ok:1")]).result()[0] == [1.0]
+
+
+def test_reward_text_in_the_log_is_capped(rewards_py, capfd, caplog):
+    with RewardPool((rewards_py, "loud"), num_workers=1, max_error_frac=1.0) as pool:
+        rewards, _ = pool.score([_item("raise"), _item("ok"), _item("ok")])
+        assert rewards == [0.0, 1.0, 1.0]
+        assert len(pool.last_errors[0]) < 5000 and "995" in pool.last_errors[0]  # "... [995904 ... cut]"
+    err = capfd.readouterr().err
+    assert 4000 < len(err) < 10_000, len(err)  # was 3.3 MB
+    assert "1 of 3 calls that wrote to it" in err and "[1095904 more bytes cut]" in err  # 4096 shown
+    assert sum(len(r.getMessage()) for r in caplog.records) < 5000
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie that nobody reaped (PID 1 in a container may not) is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_soon(pid: int) -> bool:
+    for _ in range(40):
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_processes_a_reward_function_starts_end_with_its_worker(rewards_py, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with RewardPool((rewards_py, "spawn"), num_workers=1, timeout_s=1.0, max_error_frac=1.0) as pool:
+        assert pool.score([_item("hang", prompt=str(pid_file))])[0] == [0.0]  # timed out
+        timed_out_child = int(pid_file.read_text())
+        assert _gone_soon(timed_out_child)
+        assert pool.score([_item("ok", prompt=str(pid_file))])[0] == [1.0]
+        child = int(pid_file.read_text())
+        assert _alive(child)
+    assert _gone_soon(child)  # close()
+
+
+def test_processes_end_when_the_trainer_dies(rewards_py, tmp_path):
+    # a trainer that dies without close(): one worker idle (its child from the last call lives on), one in a
+    # 30 s call; the idle one sees EOF, the busy one's watchdog thread sees the trainer gone (within 1 s)
+    idle, busy = tmp_path / "idle.pid", tmp_path / "busy.pid"
+    script = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(Path(reward.__file__).parent)!r})
+import reward
+pool = reward.RewardPool(({rewards_py!r}, "spawn"), num_workers=2, timeout_s=60)
+items = [dict(prompt={str(idle)!r}, response="ok"), dict(prompt={str(busy)!r}, response="hang")]
+threading.Thread(target=pool.score, args=(items,), daemon=True).start()
+while not (os.path.exists({str(busy)!r}) and os.path.exists({str(idle)!r})):
+    time.sleep(0.05)
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", script], timeout=30, check=True)
+    children = [int(idle.read_text()), int(busy.read_text())]
+    time.sleep(1.5)
+    assert not any(_alive(pid) for pid in children), children
+
+
+def test_huge_rewards_are_refused_and_counted(rewards_py):
+    items = [_item("ok:1e308"), _item("ok:-1e7"), _item("ok:1e6"), _item("ok:3")]
+    with RewardPool((rewards_py, "mixed"), num_workers=0) as pool:  # max_abs_reward 1e6
+        rewards, metrics = pool.score(items)
+    assert rewards == [0.0, 0.0, 1e6, 3.0]
+    assert metrics["reward/errors_out_of_range"] == 2.0 and metrics["reward/errors"] == 2.0
+    assert "1e+308" in pool.last_errors[0] and "max_abs_reward=1000000.0" in pool.last_errors[0]
+    with RewardPool((rewards_py, "mixed"), num_workers=1, max_abs_reward=2.0, max_error_frac=1.0) as pool:
+        rewards, metrics = pool.score(items)
+    assert rewards == [0.0, 0.0, 0.0, 0.0] and metrics["reward/errors_out_of_range"] == 4.0
