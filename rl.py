@@ -80,9 +80,14 @@ class RewardConfig:
     name: str = "compute_score"
     """Function name in that file."""
     num_workers: int = 4
-    """Worker processes scoring in parallel (0: in the trainer's process, no timeout)."""
+    """Worker processes scoring in parallel (0: in the trainer's main thread, timeout_s enforced by SIGALRM)."""
     timeout_s: float = 10.0
-    """Per-call limit; a call past it scores 0 and counts in reward/errors."""
+    """Per-call limit; a call past it scores 0 and counts in reward/errors (its worker and the processes it
+    started are killed)."""
+    max_error_frac: float = 0.5
+    """Stop the run when more than this fraction of one batch's reward calls fail (1.0: never)."""
+    max_abs_reward: float = 1e6
+    """A reward beyond +-this scores 0 and counts in reward/errors_out_of_range (1e308 would make the loss NaN)."""
 
 
 @dataclass(frozen=True)
@@ -202,8 +207,15 @@ def start(cfg: Any) -> Run:
         sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
         total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
     rc = cfg.custom_reward_function
+    fn_spec = (rc.path, rc.name) if rc.path else None
+    sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
+    reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
     pool = reward.RewardPool(
-        (rc.path, rc.name) if rc.path else None, num_workers=rc.num_workers, timeout_s=rc.timeout_s
+        fn_spec,
+        num_workers=rc.num_workers,
+        timeout_s=rc.timeout_s,
+        max_error_frac=rc.max_error_frac,
+        max_abs_reward=rc.max_abs_reward,
     )
     run_dir = Path(cfg.trainer.default_local_dir).expanduser()
     return Run(cfg, d, run_dir, tokenizer, pad_id, train, val, sampler, total_steps, pool)
@@ -393,6 +405,9 @@ def score_in_background(run: Run, samples: list[actor.Sample], prompts: list[dic
         metrics = score(run.pool, samples, prompts, run.tokenizer)
         return metrics | {"perf/reward_scoring_s": time.perf_counter() - start}
 
+    if run.pool.num_workers == 0:  # in process: its timeout is a SIGALRM, which only the main thread gets
+        metrics = job()
+        return lambda: merge_ranks(metrics)
     future = run.scorer.submit(job)
     return lambda: merge_ranks(future.result())
 

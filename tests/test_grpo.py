@@ -352,6 +352,8 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
     scoring, passes = threading.Event(), threading.Event()
 
     class Pool:  # the RewardPool interface rl.score uses: score(items) -> (scores, metrics)
+        num_workers = 2
+
         def score(self, items):
             scoring.set()
             saw_passes = passes.wait(timeout=30)
@@ -372,6 +374,8 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
     assert metrics["reward/errors"] == 0 and metrics["perf/reward_scoring_s"] >= 0
 
     class Broken:
+        num_workers = 2
+
         def score(self, items):
             raise ValueError("reward function crashed")
 

@@ -150,6 +150,7 @@ def test_grpo_survives_a_reward_function_that_raises_hangs_and_returns_junk(toy_
         "data.train_batch_size": 16, "actor.ppo_mini_batch_size": 16, "rollout.n": 2,
         "custom_reward_function.path": fn, "custom_reward_function.timeout_s": 1.0,
         "custom_reward_function.num_workers": 2,
+        "custom_reward_function.max_error_frac": 1.0,
     })  # fmt: skip
     torchrun("grpo.py", ["--config", "configs/grpo_toy.yaml", *args], env=ENV)
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
