@@ -27,11 +27,12 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
 
+import config
 import data
 import fsdp
 import lora
@@ -53,10 +54,10 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory."""
     use_remove_padding: bool = True
     """Pack sequences into one row per micro-batch (no padding tokens computed)."""
-    lora_rank: int = 0
+    lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
     """LoRA rank; 0 trains all weights. With LoRA the reference policy is the base model (adapters off) and
     the engine receives the merged weights."""
-    lora_alpha: float = 16.0
+    lora_alpha: Annotated[float, config.POSITIVE] = 16.0
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
@@ -77,15 +78,15 @@ class PolicyLossConfig:
 class ActorConfig:
     """The policy update (verl's actor_rollout_ref.actor)."""
 
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: Annotated[int, config.AT_LEAST_ONE] = 256
     """Prompts per optimizer step (times rollout.n responses), over all ranks."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 8
     """Responses per forward/backward on one rank."""
     use_dynamic_bsz: bool = False
     """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 16384
     """Token budget of one micro-batch when use_dynamic_bsz is on (also used for the logprob passes)."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, config.AT_LEAST_ONE] = 1
     """Passes over each step's samples."""
     old_logprobs_from_update: bool = True
     """When the update is one optimizer step over the whole batch (ppo_epochs 1, ppo_mini_batch_size = the
@@ -93,11 +94,11 @@ class ActorConfig:
     (ratio 1; TRL does the same), and that forward also checks the weight push and measures the entropy: no
     separate old-logprob pass runs. Off: always the full pass. ppo.py keeps the full pass when the KL is in the
     reward (it needs them before the advantages) and in the critic's warm-up steps (no actor update)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: Annotated[float, config.NON_NEGATIVE] = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: Annotated[float, config.NON_NEGATIVE] = 0.2
     """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: Annotated[float, config.Range(1, low_open=True)] = 3.0
     """Dual-clip bound for negative advantages (arXiv:1912.09729); must be > 1."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -105,22 +106,18 @@ class ActorConfig:
     """How token losses become one number; normalised over the global mini-batch."""
     use_kl_loss: bool = False
     """Add kl_loss_coef * KL(policy || reference) to the loss (needs the reference model)."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: Annotated[float, config.NON_NEGATIVE] = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a '+' suffix takes k2's gradient."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """The surrogate: PPO-clip (vanilla) or GSPO."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: Annotated[float, config.NON_NEGATIVE] = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, config.POSITIVE] = 1.0
     """Clip the global gradient norm to this."""
     optim: optim.OptimConfig = field(default_factory=lambda: optim.OptimConfig(lr=1e-6))
     """Optimizer and schedule."""
-
-    def __post_init__(self) -> None:
-        if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"actor.clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
 
 
 def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:

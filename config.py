@@ -31,7 +31,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import tyro
 import yaml
@@ -39,6 +39,66 @@ import yaml
 import overrides
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A bound on a numeric field, written next to it: `lr: Annotated[float, config.POSITIVE] = 1e-5`. `parse`
+    checks every such field of the resolved config (`check_ranges`); NaN never passes, infinity only where
+    `finite` is False. A field that may be None (off) is checked only when set."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+    finite: bool = True
+
+    def allows(self, v: float) -> bool:
+        if v != v or (self.finite and v in (float("inf"), float("-inf"))):
+            return False
+        above = self.low is None or (v > self.low if self.low_open else v >= self.low)
+        below = self.high is None or (v < self.high if self.high_open else v <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}" + (
+                "" if self.finite else " (inf allowed)"
+            )
+        return f"{'<' if self.high_open else '<='} {self.high:g}"
+
+
+POSITIVE = Range(0, low_open=True)
+"""> 0 and finite: learning rates, sizes in tokens, coefficients that must act."""
+NON_NEGATIVE = Range(0)
+""">= 0 and finite: weights that may be switched off with 0."""
+AT_LEAST_ONE = Range(1)
+"""Counts: batch sizes, epochs, steps, samples per prompt."""
+FRACTION = Range(0, 1, low_open=True)
+"""In (0, 1]: shares of memory, nucleus mass."""
+UNIT = Range(0, 1)
+"""In [0, 1]: ratios that may be 0."""
+TIMEOUT = Range(0, low_open=True, finite=False)
+"""> 0 seconds; inf waits forever."""
+
+
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Raises ConfigError naming the first field of `cfg` (a dataclass tree) whose value is outside its Range:
+    `key=value must be <range>`."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, key + ".")
+            continue
+        bounds = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Range)]
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        for b in bounds:
+            for v in numbers:
+                if v is not None and not isinstance(v, bool) and not b.allows(float(v)):
+                    raise ConfigError(f"{key}={value!r} must be {b}", key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +111,9 @@ class TrainerConfig:
     """Project name for tensorboard/wandb."""
     experiment_name: str = "run"
     """Run name for tensorboard/wandb."""
-    total_epochs: int = 1
+    total_epochs: Annotated[int, AT_LEAST_ONE] = 1
     """Passes over the training data (ignored when total_training_steps is set)."""
-    total_training_steps: int | None = None
+    total_training_steps: Annotated[int | None, AT_LEAST_ONE] = None
     """Stop after this many steps."""
     logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks: console, jsonl, tensorboard, wandb."""
@@ -64,13 +124,13 @@ class TrainerConfig:
     resume_mode: str = "auto"
     """auto: newest complete checkpoint in default_local_dir; disable: start fresh; or a checkpoint path.
     metrics.jsonl keeps the lines up to the step resumed from (none on a fresh start)."""
-    max_ckpt_to_keep: int | None = None
+    max_ckpt_to_keep: Annotated[int | None, AT_LEAST_ONE] = None
     """Keep only this many newest checkpoints (None: all)."""
     seed: int = 0
     """Seed of the data order (sft.py) and of the trainer's RNGs."""
-    timeout_s: float = 600.0
+    timeout_s: Annotated[float, TIMEOUT] = 600.0
     """Collective timeout: a dead rank turns into an error on the others after this long."""
-    max_consecutive_skips: int = 5
+    max_consecutive_skips: Annotated[int, AT_LEAST_ONE] = 5
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/ or actor/skipped_steps); after
     this many in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
     debug: bool = False
@@ -373,6 +433,10 @@ def parse(cls: type[T], argv: list[str] | None = None) -> T:
     cfg = tyro.cli(
         cls, args=tyro_args, default=default, use_underscores=True, description=f"{doc}\n\n{_OPTIONS_HELP}"
     )
+    try:
+        check_ranges(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     if opts.print_config:
         sys.stdout.write(to_yaml(cfg))
         sys.stdout.flush()

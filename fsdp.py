@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 import attention
+import config
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class FSDPConfig:
     the KV cache and the optimizer state are never on the GPU together; two copies of 8 bytes/parameter per step."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each layer's forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
-    hsdp_shard_size: int = 0
+    hsdp_shard_size: Annotated[int, config.NON_NEGATIVE] = 0
     """HSDP: shard within groups of this many consecutive ranks (one node: 8 on 8-GPU nodes) and replicate across
     the groups (fsdp.device_mesh); must divide the world size. 0: plain FSDP, sharded over all ranks."""
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
@@ -66,7 +66,7 @@ class AlgorithmConfig:
     """GRPO divides by the group's std; False is Dr. GRPO."""
     kl_penalty: str = "kl"
     """KL estimator for a KL-in-reward penalty (ppo.py); accepted here so verl configs load."""
-    rollout_is_threshold: float | None = None
+    rollout_is_threshold: Annotated[float | None, config.POSITIVE] = None
     """Rollout importance sampling (verl's algorithm.rollout_is_threshold; TIS, TRL's
     vllm_importance_sampling_cap): the engine samples from its own bf16 numbers, not the trainer's, and each
     token's weight pi_trainer / pi_engine, truncated at this value, measures (mismatch/* metrics) and, with

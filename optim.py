@@ -15,26 +15,28 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+
+import config
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with warmup and a cosine or constant schedule."""
 
-    lr: float = 1e-5
+    lr: Annotated[float, config.POSITIVE] = 1e-5
     """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: Annotated[tuple[float, float], config.UNIT] = (0.9, 0.999)
     """AdamW betas."""
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, config.NON_NEGATIVE] = 0.01
     """AdamW decoupled weight decay."""
-    warmup_steps_ratio: float = 0.0
+    warmup_steps_ratio: Annotated[float, config.UNIT] = 0.0
     """Fraction of the total steps spent warming the learning rate up linearly from 0."""
     lr_scheduler: Literal["cosine", "constant"] = "constant"
     """Schedule after warmup."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Annotated[float, config.UNIT] = 0.0
     """Cosine floor as a fraction of `lr`."""
 
 

@@ -398,10 +398,10 @@ def _text(value: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality where a bool never equals a number."""
+    """Equality where a bool never equals a number, and NaN equals NaN (one value written twice)."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
-    return a == b
+    return a == b or (a != a and b != b)
 
 
 _INTERP = re.compile(r"\$\{([^${}]*)\}")

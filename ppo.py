@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
@@ -54,11 +54,11 @@ class KLControlConfig:
 
     type: Literal["fixed", "adaptive"] = "fixed"
     """fixed: kl_coef throughout; adaptive: kl_coef moves towards the target KL (Ziegler et al. 2019)."""
-    kl_coef: float = 0.001
+    kl_coef: Annotated[float, config.NON_NEGATIVE] = 0.001
     """The (initial) coefficient."""
-    target_kl: float = 0.1
+    target_kl: Annotated[float, config.POSITIVE] = 0.1
     """adaptive: the per-token KL the controller aims at."""
-    horizon: int = 10000
+    horizon: Annotated[int, config.AT_LEAST_ONE] = 10000
     """adaptive: sequences over which an error of the KL is corrected."""
 
 
@@ -68,9 +68,9 @@ class AlgorithmConfig:
 
     adv_estimator: Literal["gae"] = "gae"
     """GAE with the critic (the other estimators are grpo.py's)."""
-    gamma: float = 1.0
+    gamma: Annotated[float, config.UNIT] = 1.0
     """Discount per token."""
-    lam: float = 1.0
+    lam: Annotated[float, config.UNIT] = 1.0
     """GAE's lambda (1: Monte Carlo returns minus values; 0: one-step TD)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef * KL(actor || reference) from every response token's reward."""
@@ -88,23 +88,23 @@ class CriticConfig:
     """The backbone (model.path "" = the actor's model.path) with a new scalar head; sharding and memory."""
     optim: optim.OptimConfig = field(default_factory=lambda: optim.OptimConfig(lr=1e-5))
     """Optimizer and schedule."""
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: Annotated[int, config.AT_LEAST_ONE] = 256
     """Prompts per optimizer step (times rollout.n responses), over all ranks."""
-    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_micro_batch_size_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 8
     """Responses per forward/backward on one rank."""
     use_dynamic_bsz: bool = False
     """Micro-batches under a token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 32768
+    ppo_max_token_len_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 32768
     """Token budget of one micro-batch when use_dynamic_bsz is on."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, config.AT_LEAST_ONE] = 1
     """Passes over each step's samples."""
-    cliprange_value: float = 0.5
+    cliprange_value: Annotated[float, config.POSITIVE] = 0.5
     """New values are kept within old value +- this in the clipped term of the loss."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """How token losses become one number; normalised over the global mini-batch."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, config.POSITIVE] = 1.0
     """Clip the global gradient norm to this."""
 
 
@@ -116,7 +116,7 @@ class PPOTrainerConfig(rl.RLTrainerConfig):
     """Run folder: metrics.jsonl, config.yaml, global_step_N/ checkpoints (actor at the top, critic/)."""
     experiment_name: str = "ppo"
     """Run name for tensorboard/wandb."""
-    critic_warmup: int = 0
+    critic_warmup: Annotated[int, config.NON_NEGATIVE] = 0
     """Steps at the start that train only the critic."""
 
 

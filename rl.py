@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,11 @@ class RLDataConfig:
     """Validation prompts, scored with rollout.val_kwargs (greedy); None disables validation."""
     prompt_key: str = "prompt"
     """Column holding the prompt: chat messages, or a string rendered as one user turn."""
-    max_prompt_length: int = 512
+    max_prompt_length: Annotated[int, config.AT_LEAST_ONE] = 512
     """Longest prompt in tokens; longer ones are dropped and counted (or an error with filter_overlong_prompts off)."""
-    max_response_length: int = 512
+    max_response_length: Annotated[int, config.AT_LEAST_ONE] = 512
     """Most tokens generated per response."""
-    train_batch_size: int = 1024
+    train_batch_size: Annotated[int, config.AT_LEAST_ONE] = 1024
     """Prompts per step, over all ranks (each gets rollout.n responses)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
@@ -79,14 +79,14 @@ class RewardConfig:
     """Python file with a custom reward function; None: reward.default_compute_score by data_source."""
     name: str = "compute_score"
     """Function name in that file."""
-    num_workers: int = 4
+    num_workers: Annotated[int, config.NON_NEGATIVE] = 4
     """Worker processes scoring in parallel (0: in the trainer's main thread, timeout_s enforced by SIGALRM)."""
-    timeout_s: float = 10.0
+    timeout_s: Annotated[float, config.TIMEOUT] = 10.0
     """Per-call limit; a call past it scores 0 and counts in reward/errors (its worker and the processes it
     started are killed)."""
-    max_error_frac: float = 0.5
+    max_error_frac: Annotated[float, config.UNIT] = 0.5
     """Stop the run when more than this fraction of one batch's reward calls fail (1.0: never)."""
-    max_abs_reward: float = 1e6
+    max_abs_reward: Annotated[float, config.POSITIVE] = 1e6
     """A reward beyond +-this scores 0 and counts in reward/errors_out_of_range (1e308 would make the loss NaN)."""
 
 
@@ -205,7 +205,9 @@ def start(cfg: Any) -> Run:
                 f"data.train_batch_size={cfg.data.train_batch_size} must divide by {d.world_size} ranks"
             )
         sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
-        total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+        total_steps = cfg.trainer.total_training_steps
+        if total_steps is None:
+            total_steps = cfg.trainer.total_epochs * sampler.steps_per_epoch
     rc = cfg.custom_reward_function
     fn_spec = (rc.path, rc.name) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)

@@ -38,7 +38,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
@@ -74,19 +74,19 @@ class DataConfig:
     """Column holding multi-turn chat messages; used when present instead of prompt/response (loss on assistant turns)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (prompt as one user turn)."""
-    max_length: int = 1024
+    max_length: Annotated[int, config.AT_LEAST_ONE] = 1024
     """Longest sequence in tokens (prompt + response)."""
     truncation: Literal["left", "right", "error"] = "error"
     """What to do with a longer sequence: cut its start, cut its end, or stop with an error naming the row."""
     skip_bad_rows: bool = False
     """Skip (and count) rows with a missing key, empty or non-string response, instead of stopping."""
-    train_batch_size: int = 256
+    train_batch_size: Annotated[int, config.AT_LEAST_ONE] = 256
     """Global batch: sequences per optimizer step, over all ranks."""
-    micro_batch_size_per_gpu: int = 4
+    micro_batch_size_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 4
     """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
     use_dynamic_bsz: bool = False
     """Micro-batches under a token budget (`max_token_len_per_gpu`) instead of a fixed number of sequences."""
-    max_token_len_per_gpu: int = 16384
+    max_token_len_per_gpu: Annotated[int, config.AT_LEAST_ONE] = 16384
     """Token budget of one micro-batch when `use_dynamic_bsz` is on."""
 
 
@@ -104,9 +104,9 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory."""
     use_remove_padding: bool = True
     """Pack each micro-batch's sequences into one row (no padding tokens computed)."""
-    lora_rank: int = 0
+    lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
     """LoRA rank; 0 trains all weights."""
-    lora_alpha: float = 16.0
+    lora_alpha: Annotated[float, config.POSITIVE] = 16.0
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
@@ -118,15 +118,15 @@ class ModelConfig:
 class SFTOptimConfig(optim.OptimConfig):
     """AdamW with warmup then cosine (verl's SFT defaults), and gradient clipping."""
 
-    lr: float = 1e-5
+    lr: Annotated[float, config.POSITIVE] = 1e-5
     """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: Annotated[tuple[float, float], config.UNIT] = (0.9, 0.95)
     """AdamW betas."""
-    warmup_steps_ratio: float = 0.1
+    warmup_steps_ratio: Annotated[float, config.UNIT] = 0.1
     """Fraction of the total steps spent warming the learning rate up linearly from 0."""
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
     """Schedule after warmup."""
-    clip_grad: float = 1.0
+    clip_grad: Annotated[float, config.POSITIVE] = 1.0
     """Clip the global gradient norm to this (the norm before clipping is logged as train/grad_norm)."""
 
 
@@ -311,7 +311,9 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         fsdp.print0(memory_plan(cfg, model, d.world_size))
     model = fsdp.shard_model(model, d.device, cfg.model.fsdp_config)
     sampler = data.EpochSampler(len(train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
-    total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * sampler.steps_per_epoch
+    total_steps = cfg.trainer.total_training_steps
+    if total_steps is None:
+        total_steps = cfg.trainer.total_epochs * sampler.steps_per_epoch
     optimizer, scheduler = optim.build(model.parameters(), cfg.optim, total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
 

@@ -171,3 +171,42 @@ def test_overrides_on_any_config(tmp_path, capsys):
         config.parse(TinyCfg, argv + ["--print-config"])
     assert exc.value.code == 0
     assert config.parse(TinyCfg, ["--config", _write(tmp_path, capsys.readouterr().out)]) == cfg
+
+
+@pytest.mark.parametrize(
+    "script, flag, value, allowed",
+    [
+        ("sft", "optim.lr", "inf", "> 0"),
+        ("sft", "optim.lr", "nan", "> 0"),
+        ("sft", "optim.lr", "-1", "> 0"),
+        ("sft", "optim.clip_grad", "-1", "> 0"),
+        ("sft", "trainer.total_training_steps", "0", ">= 1"),
+        ("sft", "data.train_batch_size", "0", ">= 1"),
+        ("sft", "data.micro_batch_size_per_gpu", "0", ">= 1"),
+        ("grpo", "data.train_batch_size", "-4", ">= 1"),
+        ("grpo", "data.max_response_length", "0", ">= 1"),
+        ("grpo", "actor.ppo_micro_batch_size_per_gpu", "0", ">= 1"),
+        ("grpo", "actor.ppo_epochs", "0", ">= 1"),
+        ("grpo", "actor.optim.lr", "nan", "> 0"),
+        ("grpo", "actor.optim.betas", "[0.9,1.5]", "in [0, 1]"),
+        ("grpo", "custom_reward_function.max_error_frac", "2", "in [0, 1]"),
+        ("ppo", "critic.ppo_epochs", "0", ">= 1"),
+        ("ppo", "algorithm.lam", "1.5", "in [0, 1]"),
+    ],
+)
+def test_numeric_fields_are_checked_at_parse(script, flag, value, allowed):
+    """A number outside its field's range (config.Range, written next to the field) is one error line naming the
+    key, the value and the allowed range, at parse time: before, lr inf trained to NaN weights and exited 0,
+    clip_grad -1 ascended the loss, total_training_steps 0 ran a whole epoch, and zeros ended in tracebacks."""
+    module = __import__(script)
+    cls = {"sft": "SFTConfig", "grpo": "GRPOConfig", "ppo": "PPOConfig"}[script]
+    with pytest.raises(SystemExit) as e:
+        config.parse(getattr(module, cls), [f"{flag}={value}"])
+    assert str(e.value).startswith(f"error: {flag}=") and f"must be {allowed}" in str(e.value), e.value
+
+
+def test_in_range_edges_pass():
+    import grpo
+
+    cfg = config.parse(grpo.GRPOConfig, ["actor.entropy_coeff=0", "trainer.timeout_s=inf", "algorithm.lam=1"])
+    assert cfg.actor.entropy_coeff == 0 and cfg.trainer.timeout_s == float("inf")

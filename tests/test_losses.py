@@ -143,9 +143,10 @@ def test_grpo_and_ppo_objectives_agree_on_random_inputs():
 
 def test_dual_clip_bound_must_exceed_one():
     import actor
+    import config
 
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        actor.ActorConfig(clip_ratio_c=1.0)
+    with pytest.raises(config.ConfigError, match=r"actor.clip_ratio_c=1.0 must be > 1"):
+        config.check_ranges(actor.ActorConfig(clip_ratio_c=1.0), "actor.")
 
 
 def test_agg_loss_modes_on_an_on_policy_surrogate():
