@@ -27,12 +27,23 @@ never start from a checkpoint that is only partly on disk, nor silently start ov
 4. A checkpoint is deleted (keep_last, or a re-save of the same step) by renaming it to `global_step_N.old/`
    first, so a crash halfway through a delete never leaves a half-deleted folder under a checkpoint's name.
 DCP reshards on load, so a run saved on W ranks resumes on any number of ranks.
+
+Untrusted checkpoints. torch's DCP reader unpickles `.metadata` with a plain `pickle.load` and the non-tensor
+values (the optimizer's param_groups: lr, betas...) with `torch.load(weights_only=False)`, so a hostile checkpoint
+could run code on load. Every DCP read in flatrl goes through `dcp_load` / `read_dcp_metadata` instead:
+- `.metadata` is unpickled by an allowlist (`DCP_METADATA_GLOBALS`: DCP's metadata classes, torch.Size, dtypes,
+  the layout decoder, paths, builtin containers); any other global is refused with `UnsafeCheckpointError`
+  naming the file and the global (module.name), before anything it names is imported or called.
+- non-tensor values are unpickled with `torch.load(weights_only=True)` (torch's allowlist for torch.save data).
+- tensor data was already read by DCP with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -43,6 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -208,18 +223,20 @@ def load_checkpoint(
     """Loads model (and optimizer) state saved by `save_checkpoint`, resharding to this job's world size.
 
     Restores this rank's RNG states when the checkpoint has them for this rank. Returns trainer_state.json.
-    Raises ValueError naming the file when the checkpoint is incomplete (see `checkpoint_problem`).
+    Raises ValueError naming the file when the checkpoint is incomplete (see `checkpoint_problem`), and
+    UnsafeCheckpointError naming the file and the global when a pickle in it refers to anything outside the
+    allowlists (module docstring: untrusted checkpoints); nothing of it is loaded then.
     """
     path = Path(path)
     if problem := checkpoint_problem(path):
         raise ValueError(f"cannot load checkpoint {path}: {problem}")
     base = path / prefix if prefix else path
     model_sd = get_model_state_dict(model)
-    dcp.load(model_sd, checkpoint_id=str(base / "model"))
+    dcp_load(model_sd, base / "model")
     set_model_state_dict(model, model_sd)
     if optimizer is not None:
         optim_sd = get_optimizer_state_dict(model, optimizer)
-        dcp.load(optim_sd, checkpoint_id=str(base / "optim"))
+        dcp_load(optim_sd, base / "optim")
         set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=True))
     # A rank the saved run did not have (resumed on more ranks) keeps the state seed_everything gave it.
     # weights_only: a checkpoint may come from someone else, and a full unpickle can run code.
@@ -257,3 +274,132 @@ def _save_hf_files(out: Path, files: dict[str, Any]) -> None:
         files["tokenizer"].save_pretrained(out)
     if files.get("lora"):
         (out / "lora.json").write_text(json.dumps(files["lora"], indent=2))
+
+
+# ------------------------------------------------------------------ reading DCP files without running code
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file whose pickle refers to a global outside the allowlist (it could run code if loaded)."""
+
+
+# Every global a DCP `.metadata` pickle may refer to: module -> names. Listed by unpickling real flatrl
+# checkpoints (model/ and optim/, torch 2.13) with a find_class that records its calls; dtypes are admitted by
+# name (`_DTYPES`). Each is a plain data class or a lookup: constructing one runs no code of the file's choosing.
+DCP_METADATA_GLOBALS: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # torch.strided etc. by name; it returns a torch.layout or raises
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id: the folder the writer saw
+    "pathlib._local": {"PosixPath", "PurePosixPath"},  # the same classes on Python 3.13+
+    "builtins": {"set", "frozenset", "complex", "slice"},
+    "collections": {"OrderedDict"},
+}
+_DTYPES = {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)}  # float32, bfloat16, ...
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only DCP_METADATA_GLOBALS and torch dtypes; anything else is refused."""
+
+    def __init__(self, f: io.BufferedReader, file: Path) -> None:
+        super().__init__(f)
+        self.file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Exact (module, name) pairs only: a dotted name ("torch.load" under an admitted module) never matches.
+        if name in DCP_METADATA_GLOBALS.get(module, ()) or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.file}: refused to unpickle {module}.{name}: DCP metadata holds only "
+            "checkpoint.DCP_METADATA_GLOBALS (a hostile or foreign file; it was not loaded)"
+        )
+
+
+def read_dcp_metadata(file: str | Path) -> Metadata:
+    """The DCP `Metadata` in `file` (a `.metadata`), unpickled through the DCP_METADATA_GLOBALS allowlist.
+
+    Raises UnsafeCheckpointError naming the file and the refused global (module.name); ValueError naming the file
+    when it is not a readable pickle of DCP Metadata.
+    """
+    file = Path(file)
+    try:
+        with open(file, "rb") as f:
+            meta = _MetadataUnpickler(f, file).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"{file} holds a {type(meta).__name__}, not DCP Metadata")
+    return meta
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """dcp.FileSystemReader whose read_metadata unpickles through read_dcp_metadata (never pickle.load)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")  # torch >= 2.9 asks for `__R.metadata` when a save ran without collectives
+        meta = read_dcp_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        # As torch's reader does: stamp this read's id on the metadata (DCP's load logging reads it).
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values are unpickled with torch.load(weights_only=True).
+
+    DefaultLoadPlanner.load_bytes uses weights_only=False on bytes straight from the checkpoint. Here the value is
+    loaded under torch's weights-only allowlist first, and the parent gets a torch.save of that checked value,
+    so its own bookkeeping (where the value goes in the nested state dict) stays torch's.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+            file = self.folder / info.relative_path if info is not None else self.folder
+            refused = m[1] if (m := re.search(r"GLOBAL (\S+)", str(e))) else "a global outside the allowlist"
+            raise UnsafeCheckpointError(
+                f"{file}: refused to unpickle {refused} in the value of {read_item.dest_index.fqn}: "
+                "a checkpoint's non-tensor values are plain Python values (it was not loaded)"
+            ) from None
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        super().load_bytes(read_item, buf)
+
+
+def dcp_load(state_dict: dict[str, Any], folder: str | Path, no_dist: bool = False) -> None:
+    """dcp.load of the DCP folder into state_dict (in place), with no pickle able to run code.
+
+    The metadata is read (and refused) here first, so a refusal is one UnsafeCheckpointError naming the file and
+    the global, not DCP's fallback to per-rank metadata and its wrapped traceback. Then dcp.load reads through
+    SafeFileSystemReader and _SafeLoadPlanner. Collective unless no_dist (one process, no process group).
+    """
+    folder = Path(folder)
+    reader = SafeFileSystemReader(str(folder))
+    reader.read_metadata()
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(folder), no_dist=no_dist)
+    except CheckpointException as e:  # a refusal inside DCP's collective steps: raise it alone, one line
+        unsafe = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+        if unsafe:
+            raise unsafe[0] from None
+        raise

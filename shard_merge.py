@@ -18,6 +18,9 @@ the PEFT adapter instead. Tied embeddings stay tied: the alias (`lm_head.weight`
 equal to its target. The folder is assembled as a hidden sibling and renamed into place, so `--out` is never
 half-written.
 
+A bad checkpoint or --out ends the CLI with exit code 2 and one stderr line naming the file; a failed --verify
+with exit code 1.
+
 `--verify` builds the model from the checkpoint in fp32 (LoRA applied unmerged, lora.apply_lora), loads the
 merged folder with from_pretrained in fp32, and fails if the largest |logit difference| on a fixed probe batch
 exceeds the tolerance. float32 output: 1e-4. bfloat16/float16 round every weight (8/11 significant bits) and
@@ -25,8 +28,10 @@ the error compounds with depth, so their defaults (0.5/0.1) are a heuristic, not
 test model's bf16 round-off is 1.3e-2, a mis-ordered shard moves its logits by 2.5.
 
 Deviations from verl's model_merger:
-1. Every torch.load is weights_only=True (and mmap=True); DTensors load so once torch.distributed.tensor is
-   imported, without a process group. FSDP1 ShardedTensor files are not supported.
+1. Nothing in a checkpoint can run code: every torch.load is weights_only=True (and mmap=True; DTensors load so
+   once torch.distributed.tensor is imported, without a process group), and DCP folders are read through
+   checkpoint.read_dcp_metadata / checkpoint.dcp_load (an allowlist for `.metadata`, where torch's reader would
+   pickle.load it). FSDP1 ShardedTensor files are not supported.
 2. verl LoRA checkpoints (`base_model.model.` keys, lora_train_meta.json) are not merged; flatrl's are.
 3. A tensor sharded along two mesh dims (TP) or a Partial placement is refused, not guessed.
 """
@@ -47,13 +52,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor  # importing it lets weights_only torch.load rebuild DTensors
 
+import checkpoint
 import lora
 
 
@@ -104,10 +109,7 @@ def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
     meta_file = model_dir / ".metadata"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{meta_file} is missing: {model_dir} is not a complete DCP checkpoint")
-    try:
-        meta = dcp.FileSystemReader(str(model_dir)).read_metadata()
-    except Exception as e:
-        raise ValueError(f"{meta_file} cannot be read ({type(e).__name__}: {e})") from e
+    meta = checkpoint.read_dcp_metadata(meta_file)  # allowlisted unpickling: a hostile file runs nothing
     need: dict[str, int] = {}  # data file -> bytes the metadata says it holds
     for info in meta.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -123,7 +125,7 @@ def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
         sd = {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys}
         with warnings.catch_warnings():  # "torch.distributed is disabled ...": yes, one process on purpose
             warnings.simplefilter("ignore")
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(model_dir)), no_dist=True)
+            checkpoint.dcp_load(sd, model_dir, no_dist=True)
         return sd
 
     return specs, load
@@ -385,4 +387,10 @@ def main(cfg: MergeConfig) -> dict:
 if __name__ == "__main__":
     import tyro
 
-    sys.exit(0 if main(tyro.cli(MergeConfig))["ok"] else 1)
+    cfg = tyro.cli(MergeConfig)
+    try:
+        ok = main(cfg)["ok"]
+    except (OSError, ValueError) as e:  # a bad checkpoint or --out: the error names the file; no traceback
+        print(f"shard_merge.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(0 if ok else 1)

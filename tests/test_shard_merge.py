@@ -27,6 +27,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import checkpoint
 import shard_merge
 from lora import apply_lora
 
@@ -351,7 +352,7 @@ def ckpts_world2(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["tied", "untied", "lora"])
 def test_dcp_world2(ckpts_world2, tmp_path, name):
     ckpt = ckpts_world2 / name / "global_step_1"
-    meta = dcp.FileSystemReader(str(ckpt / "model")).read_metadata()
+    meta = checkpoint.read_dcp_metadata(ckpt / "model" / ".metadata")
     assert len(meta.state_dict_metadata["model.embed_tokens.weight"].chunks) == 2  # really written by 2 ranks
     out = shard_merge.merge(ckpt, tmp_path / "hf")
     assert_same_model(out, tiny_model(name != "untied", lora=name == "lora"))
