@@ -373,7 +373,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
+            meta = getattr(self, "metadata", None)  # set by set_up_planner
+            info = meta.storage_data.get(read_item.storage_index) if meta is not None else None
             file = self.folder / info.relative_path if info is not None else self.folder
             refused = m[1] if (m := re.search(r"GLOBAL (\S+)", str(e))) else "a global outside the allowlist"
             raise UnsafeCheckpointError(

@@ -15,8 +15,9 @@ files, and safetensors shards of at most --max-shard-size (`model.safetensors`, 
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`). Tensors are read one output shard at a
 time, so RAM never holds the model twice. LoRA is merged (lora.merge_lora_state_dict); `--adapter-only` writes
 the PEFT adapter instead. Tied embeddings stay tied: the alias (`lm_head.weight`) is dropped once checked
-equal to its target. The folder is assembled as a hidden sibling and renamed into place, so `--out` is never
-half-written.
+equal to its target. The folder is written as `OUT.tmp` and renamed into place, so `--out` is never
+half-written. An --out that is, holds or lies inside the checkpoint (or another checkpoint of its run folder)
+is refused, --force or not.
 
 A bad checkpoint or --out ends the CLI with exit code 2 and one stderr line naming the file; a failed --verify
 with exit code 1.
@@ -69,7 +70,8 @@ class MergeConfig:
     ckpt_dir: str
     """Checkpoint folder: RUN/global_step_N (flatrl), or verl's global_step_N or its actor/."""
     out: str
-    """Output folder; must be absent or empty unless --force."""
+    """Output folder; must be absent or empty unless --force. Never the checkpoint, inside it, a folder holding
+    it, or another checkpoint of its run folder (refused even with --force)."""
     max_shard_size: str = "5GB"
     """Largest safetensors file: bytes, or a number with KB/MB/GB (powers of 10) or KiB/MiB/GiB (of 2)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -88,6 +90,7 @@ class MergeConfig:
 
 # Default --verify tolerances by written dtype; the module docstring explains the numbers.
 VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5, torch.float16: 0.1}
+_CKPT_NAME = re.compile(r"^global_step_\d+(\.tmp|\.old)?$")  # a checkpoint, being written, being deleted
 _VERL_RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 # The tensors of one LoRA-wrapped Linear (lora.py's names); they must land in the same load group to merge.
 _LORA_PART = re.compile(r"^(?P<path>.+)\.(?:base_layer\.(?:weight|bias)|lora_[AB](?:\.default)?\.weight)$")
@@ -288,6 +291,27 @@ def _write_model(ckpt: Checkpoint, out: Path, max_bytes: int, dtype: torch.dtype
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
+def _refuse_out_over_checkpoint(ckpt_dir: Path, out: Path) -> None:
+    """ValueError unless `out` leaves the checkpoint and its run folder whole (symlinks resolved).
+
+    The checkpoint is the `global_step_N*` folder at or above ckpt_dir (verl's actor/ sits inside one), else
+    ckpt_dir; its run folder is its parent. Refused: `out` equal to the checkpoint or inside it, `out` holding it
+    (the run folder or above), and `out` being or lying inside another checkpoint of the run folder. A new
+    folder beside the checkpoints (RUN/hf_100) is fine.
+    """
+    ckpt, target = ckpt_dir.resolve(), out.resolve()
+    ckpt = next((p for p in (ckpt, *ckpt.parents) if _CKPT_NAME.match(p.name)), ckpt)
+    run = ckpt.parent
+    if target == ckpt or ckpt in target.parents:
+        raise ValueError(f"--out {out} lies inside the checkpoint {ckpt}; write the merged model elsewhere")
+    if target in ckpt.parents:
+        raise ValueError(
+            f"--out {out} holds the checkpoint {ckpt} (and its run folder {run}); choose a new folder"
+        )
+    if run in target.parents and _CKPT_NAME.match(target.relative_to(run).parts[0]):
+        raise ValueError(f"--out {out} is a checkpoint of the run folder {run}; choose a new folder")
+
+
 def merge(
     ckpt_dir: str | Path,
     out: str | Path,
@@ -304,10 +328,16 @@ def merge(
         out: output folder; must be absent or empty unless force.
         max_shard_size, dtype, adapter_only, component, force: as the MergeConfig fields.
     Returns:
-        `out` as a Path, complete: it was assembled in a hidden sibling and renamed into place.
+        `out` as a Path, complete: it was written as `OUT.tmp` and renamed into place (an existing `out` is
+        renamed to `OUT.old` first, and deleted last).
+    Raises:
+        ValueError when `out` is, contains or lies inside the checkpoint, or is a checkpoint of its run folder
+        (force or not: replacing it would delete what is being read); FileExistsError for a non-empty `out`
+        without force; FileNotFoundError / ValueError naming a missing or bad checkpoint file.
     """
-    ckpt = open_checkpoint(ckpt_dir, component)
     out = Path(out).expanduser()
+    _refuse_out_over_checkpoint(Path(ckpt_dir).expanduser(), out)
+    ckpt = open_checkpoint(ckpt_dir, component)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not force:
@@ -317,8 +347,9 @@ def merge(
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype")
         dtype = dtype or next(str(d)[6:] for _, d in ckpt.specs.values() if d.is_floating_point)
     out_dtype = getattr(torch, dtype)
-    tmp, old = (out.parent / f".{out.name}.{tag}-{os.getpid()}" for tag in ("tmp", "old"))
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+    for left in (tmp, old):  # left by a merge that crashed
+        shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         if adapter_only:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import tyro
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -220,7 +221,6 @@ def test_verl_plain_shards_and_cli(ckpts, tmp_path):
     out = shard_merge.merge(ckpts["verl"], tmp_path / "hf")  # finds actor/ under global_step_1
     assert_same_model(out, tiny_model(False))
     # The CLI path: tyro flags -> main() with --verify; a tolerance below bf16 round-off must fail the check.
-    import tyro
 
     args = ["--ckpt-dir", str(ckpts["verl"] / "actor"), "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"]
     result = shard_merge.main(
@@ -254,6 +254,68 @@ def test_verify_catches_misordered_shards(ckpts, tmp_path):
     sd["model.layers.0.mlp.up_proj.weight"] = torch.cat([w[128:], w[:128]])
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
     assert shard_merge.verify(ckpts["untied"], out) > 1e-2
+
+
+def test_out_over_the_checkpoint_is_refused_even_with_force(ckpts, tmp_path):
+    """Issue 22: `--out RUN --force` deleted the run; `--out CKPT --force --verify` replaced the checkpoint."""
+    ckpt = copy_ckpt(ckpts, "tied", tmp_path)
+    run = ckpt.parent
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.yaml").write_text("a: 1\n")
+    other = Path(shutil.copytree(ckpt, run / "global_step_0"))
+    verl = copy_ckpt(ckpts, "verl", tmp_path)
+    (tmp_path / "link").symlink_to(run)
+    before = sorted((str(p.relative_to(tmp_path)), p.stat().st_size) for p in tmp_path.rglob("*"))
+    refused = [
+        (ckpt, run, "holds the checkpoint"),
+        (ckpt, tmp_path, "holds the checkpoint"),
+        (ckpt, tmp_path / "link", "holds the checkpoint"),  # a symlink to the run folder
+        (ckpt, ckpt, "inside the checkpoint"),
+        (ckpt, tmp_path / "link" / "global_step_1", "inside the checkpoint"),
+        (ckpt, ckpt / "model", "inside the checkpoint"),
+        (ckpt, ckpt / "huggingface" / "new", "inside the checkpoint"),
+        (ckpt, other, "is a checkpoint of the run folder"),
+        (ckpt, run / "global_step_2.tmp" / "x", "is a checkpoint of the run folder"),
+        (verl / "actor", verl, "inside the checkpoint"),  # verl's actor/ lies inside global_step_1
+        (verl / "actor", verl.parent, "holds the checkpoint"),
+    ]
+    for ckpt_dir, out, why in refused:
+        args = ["--ckpt-dir", str(ckpt_dir), "--out", str(out), "--force", "--verify"]
+        with pytest.raises(ValueError, match=why):
+            shard_merge.main(tyro.cli(shard_merge.MergeConfig, args=args))
+    assert sorted((str(p.relative_to(tmp_path)), p.stat().st_size) for p in tmp_path.rglob("*")) == before
+
+    # Beside the checkpoints is fine, and --force replaces an earlier merge; no OUT.tmp / OUT.old stays.
+    out = shard_merge.merge(ckpt, run / "hf")
+    (out / "stale.txt").write_text("from an earlier merge")
+    result = shard_merge.main(
+        tyro.cli(
+            shard_merge.MergeConfig, args=["--ckpt-dir", str(ckpt), "--out", str(out), "--force", "--verify"]
+        )
+    )
+    assert result["ok"] and not (out / "stale.txt").exists()
+    names = ["config.yaml", "global_step_0", "global_step_1", "hf", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == names
+
+
+def test_output_is_written_as_out_tmp_then_renamed(ckpts, tmp_path, monkeypatch):
+    out = shard_merge.merge(ckpts["tied"], tmp_path / "hf")
+    kept = sorted(p.name for p in out.iterdir())
+    seen = []
+
+    def fail(ckpt, folder, max_bytes, dtype):  # a crash in the middle of writing the shards
+        seen.append(folder)
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("disk went away")
+
+    monkeypatch.setattr(shard_merge, "_write_model", fail)
+    (tmp_path / "hf.tmp").mkdir()  # left by an earlier crash: replaced
+    with pytest.raises(RuntimeError, match="disk went away"):
+        shard_merge.merge(ckpts["tied"], out, force=True)
+    assert seen == [tmp_path / "hf.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the earlier output, untouched
+    assert sorted(p.name for p in out.iterdir()) == kept
+    assert_same_model(out, tiny_model(True))
 
 
 def _break(ckpt: Path, what: str) -> str:
