@@ -116,7 +116,7 @@ def test_genuine_checkpoint_loads_and_merges(saved, tmp_path):
             "--verify",
         ]
         result = shard_merge.main(tyro.cli(shard_merge.MergeConfig, args=args))
-        assert result["ok"] and result["verify/max_abs_logit_diff"] < 1e-5
+        assert result["ok"] and result["verify/max_abs_logprob_diff"] < 1e-5
 
 
 def assert_refused(excinfo: pytest.ExceptionInfo, file: Path, refused: str, marker: Path) -> None:
