@@ -28,6 +28,12 @@ never start from a checkpoint that is only partly on disk, nor silently start ov
    first, so a crash halfway through a delete never leaves a half-deleted folder under a checkpoint's name.
 DCP reshards on load, so a run saved on W ranks resumes on any number of ranks.
 
+Refused at save, before anything is written: a model with a NaN or inf parameter (ValueError naming the first
+one: a checkpoint of broken weights would be resumed from and merged), and a disk with less free space than the
+state dicts' tensors (OSError ENOSPC "no space left on PATH", with the bytes needed and free). A write that fails
+on a full disk anyway (DCP wraps the OSError; torch.save says "unexpected pos N vs M") raises the same error and
+deletes its `.tmp` folder.
+
 Untrusted checkpoints. torch's DCP reader unpickles `.metadata` with a plain `pickle.load` and the non-tensor
 values (the optimizer's param_groups: lr, betas...) with `torch.load(weights_only=False)`, so a hostile checkpoint
 could run code on load. Every DCP read in flatrl goes through `dcp_load` / `read_dcp_metadata` instead:
@@ -40,6 +46,7 @@ could run code on load. Every DCP read in flatrl goes through `dcp_load` / `read
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -65,12 +72,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
+import fsdp
 from fsdp import print0
 
 # Exactly `global_step_N`: an unfinished `.tmp` write and a `.old` folder being deleted never match.
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MANIFEST = "manifest.json"
+# A write that failed with less than this free on the disk failed for want of space (the error may not say so).
+_FULL_BYTES = 64 * 2**20
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -184,24 +195,45 @@ def save_checkpoint(
     run_dir = Path(run_dir).expanduser()
     final = run_dir / f"global_step_{step}"
     tmp = run_dir / f"global_step_{step}.tmp"
+    parts = {"": (model, optimizer, hf_files or {})} | (extra or {})
+    if bad := _first_non_finite({prefix: m for prefix, (m, _, _) in parts.items()}):
+        raise ValueError(f"refusing to save {final}: parameter {bad} holds NaN or inf; nothing was written")
+    # Sharded views of this rank's tensors (no copy), computed once: sized here, written below.
+    state_dicts = {
+        prefix: (get_model_state_dict(m), get_optimizer_state_dict(m, opt) if opt is not None else None)
+        for prefix, (m, opt, _) in parts.items()
+    }
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # left by a crash during an earlier write of this step
+    needed = fsdp.all_reduce(sum(_nbytes(sd) for pair in state_dicts.values() for sd in pair), "sum")
+    free = fsdp.all_reduce(shutil.disk_usage(_existing(run_dir)).free, "min")
+    if needed > free:
+        raise _no_space(run_dir, needed, free)
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash during an earlier write of this step
         tmp.mkdir(parents=True)
     dist.barrier()
-    parts = {"": (model, optimizer, hf_files or {})} | (extra or {})
-    for prefix, (m, opt, files) in parts.items():
-        base = tmp / prefix if prefix else tmp
-        dcp.save(get_model_state_dict(m), checkpoint_id=str(base / "model"))
-        if opt is not None:
-            dcp.save(get_optimizer_state_dict(m, opt), checkpoint_id=str(base / "optim"))
+    try:
+        for prefix, (m_sd, opt_sd) in state_dicts.items():
+            base = tmp / prefix if prefix else tmp
+            dcp.save(m_sd, checkpoint_id=str(base / "model"))
+            if opt_sd is not None:
+                dcp.save(opt_sd, checkpoint_id=str(base / "optim"))
+            if rank == 0:
+                _save_hf_files(base / "huggingface", parts[prefix][2])
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
         if rank == 0:
-            _save_hf_files(base / "huggingface", files)
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    if rank == 0:
-        state = dict(trainer_state, global_step=step, world_size=dist.get_world_size())
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
+            state = dict(trainer_state, global_step=step, world_size=dist.get_world_size())
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str))
+    except (OSError, RuntimeError, CheckpointException) as e:
+        # DCP wraps the write's OSError, and torch.save's zip writer reports a full disk as
+        # "unexpected pos N vs M": either way, say so when the disk is what ran out.
+        free = shutil.disk_usage(_existing(tmp)).free
+        if _is_enospc(e) or free < _FULL_BYTES:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; give the space back now
+            raise _no_space(run_dir, needed, free) from e
+        raise
     dist.barrier()
     if rank == 0:
         # Written last, once every rank's files are closed: sizes to check a later resume against.
@@ -215,6 +247,68 @@ def save_checkpoint(
                 _remove_checkpoint(old)
     dist.barrier()
     return final
+
+
+def _first_non_finite(models: dict[str, nn.Module]) -> str | None:
+    """Name of the first parameter holding NaN or inf on any rank (`critic/` prefixed for extras), else None.
+
+    Collective: one all-reduce of the first bad index, so every rank raises together.
+    """
+    names, flags = [], []
+    for prefix, m in models.items():
+        for name, p in m.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p  # this rank's shard
+            names.append(f"{prefix}/{name}" if prefix else name)
+            flags.append(torch.isfinite(local.detach()).all())
+    if not flags:
+        return None
+    bad = (~torch.stack(flags)).nonzero()  # one device sync for all parameters
+    first = fsdp.all_reduce(bad[0, 0].item() if len(bad) else len(names), "min")
+    return names[int(first)] if first < len(names) else None
+
+
+def _nbytes(state_dict: dict[str, Any] | None) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: what its DCP shard will hold, about."""
+    if state_dict is None:
+        return 0
+    total = 0
+    for v in state_dict.values():
+        if isinstance(v, dict):
+            total += _nbytes(v)
+        elif isinstance(v, torch.Tensor):
+            t = v.to_local() if isinstance(v, DTensor) else v
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest existing ancestor (what shutil.disk_usage can be asked about)."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def _is_enospc(e: BaseException) -> bool:
+    """True when e, its cause, or a rank's failure inside DCP's CheckpointException is an ENOSPC OSError."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    if isinstance(e, CheckpointException):
+        return any(_is_enospc(exc) for exc, _ in e.failures.values())
+    return e.__cause__ is not None and _is_enospc(e.__cause__)
+
+
+def _no_space(run_dir: Path, needed: float, free: float) -> OSError:
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on {_existing(run_dir)}: the checkpoint needs about {_size(needed)} (its tensors), "
+        f"{_size(free)} are free; free some space or lower trainer.max_ckpt_to_keep",
+    )
+
+
+def _size(nbytes: float) -> str:
+    """1536 -> '1.5 KiB'; bytes, KiB, MiB or GiB, whichever reads best."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
 
 
 def load_checkpoint(
