@@ -47,6 +47,7 @@ could run code on load. Every DCP read in flatrl goes through `dcp_load` / `read
 from __future__ import annotations
 
 import errno
+import fnmatch
 import io
 import json
 import os
@@ -63,7 +64,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -326,6 +327,12 @@ def load_checkpoint(
         raise ValueError(f"cannot load checkpoint {path}: {problem}")
     base = path / prefix if prefix else path
     model_sd = get_model_state_dict(model)
+    if problem := _model_mismatch(model_sd, read_dcp_metadata(base / "model" / ".metadata")):
+        which = f"{prefix} model" if prefix else "model"
+        raise ValueError(
+            f"cannot resume from {base / 'model'}: the checkpoint's {which} differs from the one built from "
+            f"the config ({which}.path, LoRA settings): {problem}"
+        )
     dcp_load(model_sd, base / "model")
     set_model_state_dict(model, model_sd)
     if optimizer is not None:
@@ -338,6 +345,91 @@ def load_checkpoint(
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def _model_mismatch(state_dict: dict[str, Any], meta: Metadata) -> str | None:
+    """How a model state dict and a checkpoint's DCP metadata differ (shapes, keys on one side only), or None."""
+    stored = {
+        k: tuple(m.size) for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+    }
+    # a DTensor's .shape is the full (unsharded) one, as the metadata's
+    ours = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    shapes = [
+        f"{k} {stored[k]} in the checkpoint, {ours[k]} in the model"
+        for k in ours
+        if k in stored and stored[k] != ours[k]
+    ]
+    parts = []
+    for what, keys in (
+        ("tensors differ in shape", shapes),
+        ("model tensors are not in the checkpoint", sorted(ours.keys() - stored.keys())),
+        ("checkpoint tensors are not in the model", sorted(stored.keys() - ours.keys())),
+    ):
+        if keys:
+            parts.append(f"{len(keys)} {what} (first: {keys[0]})")
+    return "; ".join(parts) or None
+
+
+# Settings a resumed run may change (dotted keys, fnmatch patterns): they take effect and are printed. The
+# second half changes only how the same math is computed (memory, speed, layout). Every other setting changes
+# what the run means (the model, the data and its order, batch sizes, seeds, the objective), so changing it on
+# resume is an error unless trainer.resume_allow_changes names it.
+MAY_CHANGE_ON_RESUME = tuple(
+    """
+    trainer.total_epochs trainer.total_training_steps trainer.save_freq trainer.test_freq trainer.logger
+    trainer.project_name trainer.experiment_name trainer.default_local_dir trainer.resume_mode
+    trainer.resume_allow_changes trainer.max_ckpt_to_keep trainer.timeout_s trainer.max_consecutive_skips
+    trainer.val_before_train trainer.val_only trainer.plan *optim.lr data.val_files
+    *micro_batch_size_per_gpu *max_token_len_per_gpu *use_dynamic_bsz *use_remove_padding
+    *enable_gradient_checkpointing *attn_implementation *fsdp_config.* actor.old_logprobs_from_update
+    rollout.gpu_memory_utilization rollout.free_cache_engine rollout.enforce_eager rollout.max_num_seqs
+    rollout.max_num_batched_tokens rollout.sleep_level rollout.cpu_kvcache_space_gb rollout.enable_prefix_caching
+    rollout.enable_chunked_prefill rollout.tensor_model_parallel_size rollout.timeout_s
+    rollout.logprob_check_prompts rollout.logprob_diff_tol rollout.val_kwargs.*
+    custom_reward_function.num_workers custom_reward_function.timeout_s
+    """.split()
+)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(
+    stored: dict[str, Any], new: dict[str, Any], allowed: set[str]
+) -> tuple[list[str], list[str]]:
+    """Compares the config a checkpoint was saved with (trainer_state.json's "config") with a resumed run's.
+
+    Args:
+        stored, new: nested config dicts (config.to_dict).
+        allowed: dotted keys the user lets change anyway (trainer.resume_allow_changes).
+    Returns:
+        (errors, changed), each a list of "key: old -> new" lines. errors: settings outside
+        MAY_CHANGE_ON_RESUME and `allowed` that differ, and names in `allowed` that are no config key.
+        changed: the differences that take effect, including keys only one side has (a config from another
+        flatrl version: "<absent>" on the other side).
+    """
+    old_flat, new_flat = _flatten(stored), _flatten(new)
+    errors = [
+        f"{k}: not a config key (trainer.resume_allow_changes)" for k in sorted(allowed - new_flat.keys())
+    ]
+    changed = []
+    for key in sorted(old_flat.keys() | new_flat.keys()):
+        old, cur = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
+        if old == cur:
+            continue
+        line = f"{key}: {old!r} -> {cur!r}"
+        free = key in allowed or any(fnmatch.fnmatchcase(key, p) for p in MAY_CHANGE_ON_RESUME)
+        absent = key not in old_flat or key not in new_flat
+        (changed if free or absent else errors).append(line)
+    return errors, changed
 
 
 def _rng_state() -> dict[str, Any]:
