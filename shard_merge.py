@@ -379,6 +379,12 @@ def merge(
     return out
 
 
+def _logprobs(model: torch.nn.Module, ids: Tensor) -> Tensor:
+    """log_softmax of the logits, [B, T, V]; a value head's single output (PPO's critic) as it is, [B, T, 1]."""
+    logits = model(input_ids=ids).logits
+    return logits if logits.shape[-1] == 1 else logits.log_softmax(-1)
+
+
 @torch.no_grad()
 def measure(
     ckpt_dir: str | Path, out: str | Path, component: str = MergeConfig.component
@@ -388,7 +394,8 @@ def measure(
     The checkpoint's model: huggingface/config.json + the checkpoint tensors in fp32, LoRA applied unmerged
     with lora.apply_lora. The merged folder: from_pretrained in fp32. Both models are held in RAM at once.
     The probe batch: 4 x 32 token ids drawn with seed 0, the same every run.
-    The difference: max over batch, positions and vocabulary of |log_softmax(ref) - log_softmax(merged)|.
+    The difference: max over batch, positions and vocabulary of |log_softmax(ref) - log_softmax(merged)|
+    (for a value head, PPO's critic: of |values_ref - values_merged|).
     The floor: the same difference between the checkpoint's model and a copy of it whose every weight is moved
     by a random relative amount of at most one epsilon of the written dtype (uniform; computed in float64, kept
     in fp32): the size of the error a correct merge makes in each weight (rounding to bfloat16 / float16 when
@@ -406,14 +413,14 @@ def measure(
     merged = cls.from_pretrained(str(out), dtype=torch.float32).eval()
     written = getattr(torch, json.loads((Path(out) / "config.json").read_text())["dtype"])
     ids = torch.randint(0, config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))  # [B, T]
-    ref_lp = ref(input_ids=ids).logits.log_softmax(-1)  # [B, T, V]
-    diff = (ref_lp - merged(input_ids=ids).logits.log_softmax(-1)).abs().max().item()
+    ref_lp = _logprobs(ref, ids)  # [B, T, V]
+    diff = (ref_lp - _logprobs(merged, ids)).abs().max().item()
     del merged
     g, eps = torch.Generator().manual_seed(1), torch.finfo(written).eps
     for p in ref.parameters():
         noise = torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1  # uniform in [-1, 1]
         p.copy_(p.double() * (1 + eps * noise))
-    floor = (ref_lp - ref(input_ids=ids).logits.log_softmax(-1)).abs().max().item()
+    floor = (ref_lp - _logprobs(ref, ids)).abs().max().item()
     print(
         f"verify: max |logprob difference| {diff:.3e}, round-off floor {floor:.3e} ({written}, {tuple(ids.shape)})"
     )

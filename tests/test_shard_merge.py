@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
 )
 
 import checkpoint
@@ -279,6 +280,22 @@ def test_verify_tolerance_follows_depth(tmp_path):
     save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     diff, floor = shard_merge.measure(ckpt, tmp_path / "hf")
     assert diff > shard_merge.VERIFY_MARGIN * floor, (diff, floor)
+
+
+def test_verify_value_head_critic(tmp_path):
+    """PPO's critic has one output per token (a value): verify compares the values, not a log_softmax of one."""
+    config = tiny_model(False).config
+    config.num_labels, config.architectures = 1, ["Qwen2ForTokenClassification"]
+    torch.manual_seed(3)
+    critic = Qwen2ForTokenClassification(config).eval()
+    ckpt = write_dcp_ckpt(tmp_path / "run" / "global_step_1", critic)
+    out = shard_merge.merge(ckpt, tmp_path / "critic_hf")
+    assert shard_merge.verify(ckpt, out) == 0.0
+    sd = load_file(out / "model.safetensors")
+    sd["score.weight"][0, 5] += 0.5
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    diff, floor = shard_merge.measure(ckpt, out)
+    assert diff > 1e-3 and diff > shard_merge.VERIFY_MARGIN * floor, (diff, floor)
 
 
 def test_verify_catches_misordered_shards(ckpts, tmp_path):
