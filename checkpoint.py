@@ -55,6 +55,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +431,31 @@ def config_changes(
         absent = key not in old_flat or key not in new_flat
         (changed if free or absent else errors).append(line)
     return errors, changed
+
+
+def check_resume_config(path: str | Path, new: dict[str, Any], allowed: Iterable[str] = ()) -> list[str]:
+    """Compares checkpoint `path`'s stored config with a resumed run's (config_changes), before anything loads.
+
+    Args:
+        path: the checkpoint (its trainer_state.json holds the config it was saved with).
+        new: the resumed run's resolved config, config.to_dict(cfg).
+        allowed: trainer.resume_allow_changes; an item may hold several keys separated by commas.
+    Returns:
+        the changes that take effect, each printed (rank 0) as "changed on resume: key old -> new".
+    Raises:
+        ValueError, one line naming the checkpoint and each forbidden change with its old and new value.
+    """
+    stored = json.loads((Path(path) / "trainer_state.json").read_text()).get("config", {})
+    keys = {k.strip() for item in allowed for k in item.split(",") if k.strip()}
+    errors, changed = config_changes(stored, new, keys)
+    if errors:
+        raise ValueError(
+            f"resume from {path}: settings differ from the checkpoint's and would change what the run means: "
+            f"{'; '.join(errors)} (pass --trainer.resume_allow_changes KEY,... to accept them)"
+        )
+    for line in changed:
+        print0(f"changed on resume: {line}")
+    return changed
 
 
 def _rng_state() -> dict[str, Any]:

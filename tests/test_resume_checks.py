@@ -5,6 +5,7 @@ not DCP's traceback)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -43,6 +44,20 @@ def test_config_changes_sorts_errors_from_changes():
         "trainer.seed: 0 -> 7",
     ]
     assert checkpoint.config_changes(stored, copy.deepcopy(stored), set()) == ([], [])
+
+
+def test_check_resume_config_reads_the_checkpoint(tmp_path, capsys):
+    stored = config.to_dict(grpo.GRPOConfig())
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 3, "config": stored}))
+    new = copy.deepcopy(stored)
+    new["trainer"]["seed"], new["data"]["seed"], new["trainer"]["save_freq"] = 7, 9, 2
+    with pytest.raises(ValueError) as e:
+        checkpoint.check_resume_config(tmp_path, new, ["trainer.seed"])
+    assert str(e.value).startswith(f"resume from {tmp_path}: settings differ") and "\n" not in str(e.value)
+    assert "data.seed: 1 -> 9" in str(e.value) and "trainer.seed" not in str(e.value)
+    changed = checkpoint.check_resume_config(tmp_path, new, ["trainer.seed,data.seed"])
+    assert changed == ["data.seed: 1 -> 9", "trainer.save_freq: -1 -> 2", "trainer.seed: 0 -> 7"]
+    assert "changed on resume: trainer.save_freq: -1 -> 2" in capsys.readouterr().out
 
 
 def build(model_dir, device, lora_rank: int = 0):
