@@ -133,6 +133,10 @@ class TrainerConfig:
     max_consecutive_skips: Annotated[int, AT_LEAST_ONE] = 5
     """Optimizer steps with a NaN/inf loss or gradient norm are skipped (train/ or actor/skipped_steps); after
     this many in a row the run saves a checkpoint (the weights of the last good step) and stops with an error."""
+    resume_allow_changes: tuple[str, ...] = ()
+    """On resume, settings (dotted keys; commas allowed) that may differ from the checkpoint's config although
+    they change what the run means (model, batch sizes, seeds, data: otherwise an error naming each);
+    checkpoint.MAY_CHANGE_ON_RESUME lists those that always may (lr, steps, frequencies, logger, ...)."""
     debug: bool = False
     """Print the memory plan at the start, and each step's per-phase device memory and gradient norm, on the
     console (verl's tutorial runs `debug=true` for this)."""

@@ -61,6 +61,18 @@ def build(
     return optimizer, scheduler
 
 
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Loads a checkpoint's schedule position into `scheduler`, keeping the peak lr it was built with (this run's
+    config): LambdaLR's saved state carries the saved run's base lr, so a new `--optim.lr` would be dropped."""
+    base_lrs = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = base_lrs
+    for group, base, fn in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = base
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 class SkipGuard:
     """Skips optimizer steps whose loss or gradient norm is not finite; says when too many came in a row.
 

@@ -371,7 +371,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         engine = rl.make_engine(cfg, run)
         step, results, extra = rl.resume(run, components, scheduler, guard)
         if extra:
-            critic_scheduler.load_state_dict(extra["critic_scheduler"])
+            optim.resume_schedule(critic_scheduler, extra["critic_scheduler"])
             kl_ctrl.value = extra["kl_coef"]
         if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
             return results

@@ -278,10 +278,11 @@ def resume(
     step, results, extra = 0, {}, {}
     path = None if cfg.trainer.val_only else checkpoint.resolve_resume(run.run_dir, cfg.trainer.resume_mode)
     if path is not None:
+        checkpoint.check_resume_config(path, config.to_dict(cfg), cfg.trainer.resume_allow_changes)
         for prefix, (model, optimizer, _) in components.items():
             state = checkpoint.load_checkpoint(path, model, optimizer, prefix=prefix)
         run.sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
+        optim.resume_schedule(scheduler, state["scheduler"])
         guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
         step, results, extra = state["global_step"], state.get("results", {}), state.get("extra", {})
         fsdp.print0(f"resumed from {path} at step {step}")

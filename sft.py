@@ -54,7 +54,7 @@ import perf
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class SFTDataConfig:
     """Training and validation data."""
 
     train_files: str | list[str] = "runs/toy/sft/train.parquet"
@@ -91,7 +91,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class SFTModelConfig:
     """The model being fine-tuned."""
 
     partial_pretrain: str = "runs/toy/model"
@@ -131,7 +131,7 @@ class SFTOptimConfig(optim.OptimConfig):
 
 
 @dataclass(frozen=True)
-class TrainerConfig(config.TrainerConfig):
+class SFTTrainerConfig(config.TrainerConfig):
     """config.TrainerConfig with SFT's run folder."""
 
     default_local_dir: str = "runs/sft"
@@ -144,10 +144,10 @@ class TrainerConfig(config.TrainerConfig):
 class SFTConfig:
     """Supervised fine-tuning with FSDP2 (see the module docstring)."""
 
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
 
 def response_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -158,7 +158,7 @@ def response_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tupl
 
 
 def make_micro_batches(
-    ds: data.SFTDataset, indices: list[int], cfg: DataConfig, packed: bool, device: torch.device
+    ds: data.SFTDataset, indices: list[int], cfg: SFTDataConfig, packed: bool, device: torch.device
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's share of a global batch, as collated micro-batches (all ranks get the same count)."""
     d = dist.get_rank(), dist.get_world_size()
@@ -320,9 +320,10 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     step, results = 0, {}
     resume = checkpoint.resolve_resume(run_dir, cfg.trainer.resume_mode)
     if resume is not None:
+        checkpoint.check_resume_config(resume, config.to_dict(cfg), cfg.trainer.resume_allow_changes)
         state = checkpoint.load_checkpoint(resume, model, optimizer)
         sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
+        optim.resume_schedule(scheduler, state["scheduler"])
         guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
         step, results = state["global_step"], state.get("results", {})
         fsdp.print0(f"resumed from {resume} at step {step}")

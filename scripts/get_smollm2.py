@@ -166,7 +166,10 @@ def check_folder(folder: Path, model) -> None:
     if not tok.chat_template or tok.eos_token_id is None:
         raise SystemExit(f"get_smollm2: {folder}'s tokenizer lost its chat template or eos")
     if tok.eos_token_id != model.config.eos_token_id:  # transformers 5.17's GGUF config may carry another id
-        print(f"get_smollm2: tokenizer eos {tok.eos_token_id} != config eos {model.config.eos_token_id}", flush=True)
+        print(
+            f"get_smollm2: tokenizer eos {tok.eos_token_id} != config eos {model.config.eos_token_id}",
+            flush=True,
+        )
 
 
 def convert(args: Args) -> Path:

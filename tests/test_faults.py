@@ -53,16 +53,16 @@ def sft_args(toy: Path, train: Path, run: Path, steps: int, save_freq: int) -> l
 def sft_cfg(toy: Path, train: Path, run: Path, **trainer) -> sft.SFTConfig:
     """The same run as sft_args, as a config for sft.main in this process."""
     return sft.SFTConfig(
-        data=sft.DataConfig(
+        data=sft.SFTDataConfig(
             train_files=str(train),
             val_files=None,
             max_length=64,
             train_batch_size=8,
             micro_batch_size_per_gpu=4,
         ),
-        model=sft.ModelConfig(partial_pretrain=str(toy / "model")),
+        model=sft.SFTModelConfig(partial_pretrain=str(toy / "model")),
         optim=sft.SFTOptimConfig(lr=3e-3, warmup_steps_ratio=0.0),
-        trainer=sft.TrainerConfig(default_local_dir=str(run), logger=["jsonl"], **trainer),
+        trainer=sft.SFTTrainerConfig(default_local_dir=str(run), logger=["jsonl"], **trainer),
     )
 
 
@@ -476,3 +476,29 @@ def test_sigterm_saves_at_the_step_boundary(toy_dir, tmp_path):
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     steps = [r["step"] for r in read_metrics(run) if "reward/mean" in r]
     assert steps == list(range(1, stopped_at + 3)), steps
+
+
+def test_resume_takes_a_new_lr_and_refuses_a_new_batch_size(toy_dir, small_sft, tmp_path, one_rank, capsys):
+    """Resuming with another optim.lr: the first resumed step runs at the new lr (the restored schedule used to
+    bring back the saved base lr), and the change is printed; another data.train_batch_size (which rows a step
+    sees) is one error naming it with both values, unless trainer.resume_allow_changes names it."""
+    import dataclasses
+
+    run = tmp_path / "sft"
+    sft.main(sft_cfg(toy_dir, small_sft, run, total_training_steps=2, save_freq=2))
+    cfg = sft_cfg(toy_dir, small_sft, run, total_training_steps=3, save_freq=2)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-3))
+    sft.main(cfg)
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(run) if "train/lr" in r}
+    # the new run's cosine schedule (3 steps) at step 3 times the new peak lr (the old peak would give 7.5e-4)
+    assert lrs[1] == pytest.approx(3e-3) and lrs[3] == pytest.approx(
+        1e-3 * optim.lr_factor(2, 3, cfg.optim)
+    ), lrs
+    assert "changed on resume: optim.lr: 0.003 -> 0.001" in capsys.readouterr().out
+
+    bigger = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_batch_size=16))
+    bigger = dataclasses.replace(bigger, trainer=dataclasses.replace(bigger.trainer, total_training_steps=4))
+    with pytest.raises(ValueError, match=r"data.train_batch_size: 8 -> 16"):
+        sft.main(bigger)
+    allowed = dataclasses.replace(bigger.trainer, resume_allow_changes=("data.train_batch_size",))
+    assert sft.main(dataclasses.replace(bigger, trainer=allowed))["global_step"] == 4

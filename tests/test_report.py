@@ -82,13 +82,13 @@ def test_only_rank0_writes_and_a_missing_metrics_file_is_reported(tmp_path):
 def test_sft_main_writes_a_report(toy_dir, tmp_path, one_rank):
     run = tmp_path / "sft"
     cfg = sft.SFTConfig(
-        data=sft.DataConfig(
+        data=sft.SFTDataConfig(
             train_files=str(toy_dir / "sft/train.parquet"), val_files=None, max_length=64,
             train_batch_size=8, micro_batch_size_per_gpu=4,
         ),
-        model=sft.ModelConfig(partial_pretrain=str(toy_dir / "model")),
+        model=sft.SFTModelConfig(partial_pretrain=str(toy_dir / "model")),
         optim=sft.SFTOptimConfig(lr=3e-3, warmup_steps_ratio=0.0),
-        trainer=sft.TrainerConfig(default_local_dir=str(run), logger=["jsonl"], total_training_steps=2),
+        trainer=sft.SFTTrainerConfig(default_local_dir=str(run), logger=["jsonl"], total_training_steps=2),
     )  # fmt: skip
     results = sft.main(cfg)
     lines = (run / "report.md").read_text().splitlines()

@@ -165,5 +165,5 @@ def test_defaults_run_no_foreign_code():
     import rl
     import sft
 
-    assert sft.ModelConfig().trust_remote_code is False and actor.ModelConfig().trust_remote_code is False
+    assert sft.SFTModelConfig().trust_remote_code is False and actor.ModelConfig().trust_remote_code is False
     assert rl.RewardConfig().path is None  # custom reward code only from a path the user names
