@@ -54,7 +54,7 @@ class HFEngine:
         sampling: rollout.SamplingConfig,
         max_tokens: int,
         seed: int | None = None,
-    ) -> list[rollout.Sample]:
+    ) -> list[rollout.Completion]:
         """VLLMEngine.generate's contract. The prompts run in chunks of at most `cfg.hf_chunk_size` sequences
         (a prompt's n samples stay together), each one left-padded `generate` call under its own deadline: the
         prompts whose samples carry logprobs first (only those calls keep the raw logits, chunk x tokens x vocab
@@ -65,7 +65,7 @@ class HFEngine:
         checked = set(rollout.check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
         order = sorted(range(len(prompts)), key=lambda i: i not in checked)  # stable: checked prompts first
         per_chunk = max(1, self.cfg.hf_chunk_size // sampling.n)
-        by_prompt: dict[int, list[rollout.Sample]] = {}
+        by_prompt: dict[int, list[rollout.Completion]] = {}
         for start in range(0, len(order), per_chunk):
             chunk = order[start : start + per_chunk]
             want_lp = any(i in checked for i in chunk)
@@ -78,7 +78,7 @@ class HFEngine:
                 lp = (
                     logprobs[r, :end].tolist() if i in checked else None
                 )  # as vLLM: only the checked prompts'
-                by_prompt.setdefault(i, []).append(rollout.Sample(i, tokens[:end], lp, reason))
+                by_prompt.setdefault(i, []).append(rollout.Completion(i, tokens[:end], lp, reason))
         return [
             sample for i in range(len(prompts)) for sample in by_prompt[i]
         ]  # grouped per prompt, in order

@@ -12,7 +12,7 @@ Every rank of a torchrun job holds its own engine on its trainer's device (coloc
 
 Two engines, one interface (`Engine`): `vllm` (here), and `hf` (hf_rollout.py: an unsharded transformers copy
 for tiny models, and the reference the vLLM path is tested against). Both:
-- take prompts as token ids (the trainer tokenises) and return `len(prompts) * n` `Sample`s grouped per prompt:
+- take prompts as token ids (the trainer tokenises) and return `len(prompts) * n` `Completion`s grouped per prompt:
   response ids (eos included when produced), each sampled token's logprob, finish_reason "stop" or "length";
 - report logprobs = log_softmax of the RAW logits (temperature 1, before top-k/top-p): what the trainer's
   teacher-forced forward computes, so it can compare (vLLM: `logprobs_mode="raw_logprobs"`, set explicitly),
@@ -111,7 +111,7 @@ class RolloutConfig:
     max_num_seqs: int = 512
     """Most sequences in one vLLM batch. 512, not vLLM's GPU default of 1024: CUDA graphs are captured up to
     batch 512, and a larger batch decodes eagerly. Measured with bare vLLM 0.24 on one H200 (0.5B shape, 1024
-    sequences, ../shared/gpu/README.md): 23.8k generated tok/s at 1024 against 42.9k at 512."""
+    sequences, bench/README.md's device baselines): 23.8k generated tok/s at 1024 against 42.9k at 512."""
     max_num_batched_tokens: int = 16384
     """Most tokens vLLM schedules per step (raised to max_model_len if smaller); vLLM's own default for an
     offline engine on a large GPU, so prompt prefill takes as few steps as with a bare vllm.LLM."""
@@ -129,7 +129,7 @@ class RolloutConfig:
     """2: drop the weights and the KV cache (the next push refills the weights; vLLM keeps the buffers, such
     as rotary tables, on the host); 1: copy the weights to host memory and back. The RL loops push before every
     generation, so level 1's copies are pure cost: bare vLLM 0.24 on an H200 (0.5B shape) measured sleep +
-    wake at 0.07 + 0.17 s with level 2 against 0.96 + 0.18 s with level 1 (../shared/gpu/README.md)."""
+    wake at 0.07 + 0.17 s with level 2 against 0.96 + 0.18 s with level 1 (bench/README.md, device baselines)."""
     n: int = 8
     """Training samples per prompt (GRPO's group size)."""
     temperature: float = 1.0
@@ -186,7 +186,7 @@ class RolloutConfig:
 
 
 @dataclass
-class Sample:
+class Completion:
     """One generated response."""
 
     prompt_index: int
@@ -205,7 +205,7 @@ class Engine(Protocol):
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
-    ) -> list[Sample]: ...
+    ) -> list[Completion]: ...
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
@@ -506,7 +506,7 @@ class VLLMEngine:
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
-    ) -> list[Sample]:
+    ) -> list[Completion]:
         """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt; those of the
         prompts `check_prompt_indices` picks carry the engine's logprobs, the rest None.
 
@@ -537,7 +537,7 @@ class VLLMEngine:
         if _takes(SamplingParams, "flat_logprobs"):
             # Logprobs in flat lists instead of a dict + Logprob object per token: millions fewer Python
             # objects per step at 4096 x 512 tokens (GC and output-processing time on the host, which bounds
-            # vLLM at these model sizes: ../shared/gpu/README.md).
+            # vLLM at these model sizes: bench/README.md).
             with_lp["flat_logprobs"] = True
         # Logprobs for a few prompts only (a list of SamplingParams, one per prompt, which LLM.generate takes in
         # 0.24 and 0.32): the other requests skip the per-token logprob transfer and output processing on the
@@ -575,7 +575,7 @@ class VLLMEngine:
                     logprobs = list(flat)
                 else:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
-                samples.append(Sample(i, ids, logprobs, c.finish_reason))
+                samples.append(Completion(i, ids, logprobs, c.finish_reason))
         return samples
 
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -4,7 +4,7 @@ Both run on the same vLLM engine, started by flatrl with its defaults (so the en
 construction; they are printed under `engine`): "bare" calls `engine.llm.generate` directly with plain
 `SamplingParams(n, temperature=1, max_tokens, ignore_eos=True, detokenize=False)`, as a user of vLLM would;
 "flatrl" calls `engine.generate`, which adds what training needs (the engine's logprobs of the sampled tokens for
-`rollout.logprob_check_prompts` prompts, a seed, Sample objects). Fixed lengths (`ignore_eos`), random token
+`rollout.logprob_check_prompts` prompts, a seed, Completion objects). Fixed lengths (`ignore_eos`), random token
 prompts, the prefix cache reset before every run.
 
 Runs (generated tokens / wall seconds of one generate call):

@@ -255,7 +255,7 @@ def sft_model(smollm2, gsm8k, tmp_path_factory) -> tuple[Path, Path]:
     # over --verify's float32 default of 1e-4, which does not scale with depth (issue 17); 1e-3 still fails a
     # wrong merge (a mis-ordered shard moves the logits by ~1).
     merge = ["shard_merge.py", "--ckpt-dir", run_dir / "global_step_2", "--out", merged]
-    p = run([sys.executable, *merge, "--verify", "--verify-tolerance", "1e-3"])
+    p = run([sys.executable, *merge, "--verify"])
     assert "verify: ok" in p.stdout, p.stdout[-2000:]
     return run_dir, merged
 

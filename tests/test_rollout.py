@@ -96,7 +96,9 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> tup
     return out, gap
 
 
-def max_logprob_err(model: torch.nn.Module, samples: list[rollout.Sample], prompts: list[list[int]]) -> float:
+def max_logprob_err(
+    model: torch.nn.Module, samples: list[rollout.Completion], prompts: list[list[int]]
+) -> float:
     err = 0.0
     for s in samples:
         ref = teacher_forced(model, prompts[s.prompt_index], s.response_ids)
