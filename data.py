@@ -73,6 +73,24 @@ class BadRow(ValueError):
         self.reason = reason
 
 
+def _check_unicode(row: Row, value: object = None, key: str = "") -> None:
+    """BadRow (reason bad_text) naming the key of the first string holding a lone surrogate, such as JSON's
+    "\\ud800": valid JSON, but not Unicode text, and the tokenizer fails on it with a TypeError naming nothing."""
+    value = row if value is None and not key else value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(row, v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_unicode(row, v, f"{key}[{i}]")
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = value[e.start].encode("unicode_escape").decode()
+            raise BadRow(row, key, "bad_text", f"a lone surrogate {bad} at character {e.start}") from None
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, object]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -241,6 +259,7 @@ class SFTDataset(_Examples):
         self.examples = []
         for row in load_rows(paths):
             try:
+                _check_unicode(row)
                 self.examples.append(self._example(row))
             except BadRow as e:
                 if not skip_bad_rows:
@@ -334,6 +353,7 @@ class RLDataset(_Examples):
         self.examples = []
         for row in load_rows(paths):
             try:
+                _check_unicode(row)
                 ex = self._example(row)
             except BadRow as e:
                 if not skip_bad_rows:

@@ -68,11 +68,12 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
+import config
 from fsdp import print0
 
 _HARD_EXIT_GRACE_S = 60.0  # after a timeout, how long an uninterruptible call gets before the process exits
@@ -82,11 +83,11 @@ _HARD_EXIT_GRACE_S = 60.0  # after a timeout, how long an uninterruptible call g
 class SamplingConfig:
     """How one generate() call samples (training rollouts vs validation)."""
 
-    n: int = 1
+    n: Annotated[int, config.AT_LEAST_ONE] = 1
     """Samples per prompt."""
-    temperature: float = 1.0
+    temperature: Annotated[float, config.NON_NEGATIVE] = 1.0
     """Softmax temperature; 0 = greedy."""
-    top_p: float = 1.0
+    top_p: Annotated[float, config.FRACTION] = 1.0
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = -1
     """Sample among the k most likely tokens (-1 or 0 = off)."""
@@ -104,15 +105,15 @@ class RolloutConfig:
 
     name: Literal["vllm", "hf"] = "vllm"
     """vllm: colocated vLLM; hf: transformers generate on an unsharded copy (slow: tiny models, tests)."""
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: Annotated[int, config.AT_LEAST_ONE] = 1
     """vLLM tensor-parallel size; a TP group is that many consecutive torchrun ranks."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Annotated[float, config.FRACTION] = 0.5
     """Fraction of device memory vLLM takes for weights + KV cache (the trainer needs the rest)."""
-    max_num_seqs: int = 512
+    max_num_seqs: Annotated[int, config.AT_LEAST_ONE] = 512
     """Most sequences in one vLLM batch. 512, not vLLM's GPU default of 1024: CUDA graphs are captured up to
     batch 512, and a larger batch decodes eagerly. Measured with bare vLLM 0.24 on one H200 (0.5B shape, 1024
     sequences, bench/README.md's device baselines): 23.8k generated tok/s at 1024 against 42.9k at 512."""
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: Annotated[int, config.AT_LEAST_ONE] = 16384
     """Most tokens vLLM schedules per step (raised to max_model_len if smaller); vLLM's own default for an
     offline engine on a large GPU, so prompt prefill takes as few steps as with a bare vllm.LLM."""
     enable_chunked_prefill: bool = True
@@ -130,11 +131,11 @@ class RolloutConfig:
     as rotary tables, on the host); 1: copy the weights to host memory and back. The RL loops push before every
     generation, so level 1's copies are pure cost: bare vLLM 0.24 on an H200 (0.5B shape) measured sleep +
     wake at 0.07 + 0.17 s with level 2 against 0.96 + 0.18 s with level 1 (bench/README.md, device baselines)."""
-    n: int = 8
+    n: Annotated[int, config.AT_LEAST_ONE] = 8
     """Training samples per prompt (GRPO's group size)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, config.NON_NEGATIVE] = 1.0
     """Training sampling temperature."""
-    top_p: float = 1.0
+    top_p: Annotated[float, config.FRACTION] = 1.0
     """Training nucleus mass."""
     top_k: int = -1
     """Training top-k (-1 = off)."""
@@ -149,15 +150,15 @@ class RolloutConfig:
     bench/bench_rollout.py measures (flatrl_n8_request against flatrl_n8_call)."""
     ignore_eos: bool = False
     """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
-    timeout_s: float = 600.0
+    timeout_s: Annotated[float, config.TIMEOUT] = 600.0
     """Limit for each blocking engine call (start, generate, push, sleep, wake, shutdown)."""
-    hf_chunk_size: int = 64
+    hf_chunk_size: Annotated[int, config.AT_LEAST_ONE] = 64
     """hf engine: most sequences (prompts x n) in one transformers `generate` call; a longer call (a whole
     validation set) runs in chunks of this many, each under its own `timeout_s`, instead of one padded batch
     whose memory and time grow with every prompt. A prompt's n samples stay in one chunk."""
-    cpu_kvcache_space_gb: int = 1
+    cpu_kvcache_space_gb: Annotated[int, config.AT_LEAST_ONE] = 1
     """KV cache size on vLLM's CPU backend, GiB (exported as VLLM_CPU_KVCACHE_SPACE)."""
-    logprob_diff_tol: float = 0.1
+    logprob_diff_tol: Annotated[float, config.POSITIVE] = 0.1
     """Trainer check: mean |engine logprob - trainer logprob| per token (nats) above which a step fails."""
     logprob_check_prompts: int = 8
     """Prompts per generate() call whose samples carry the engine's logprobs (all n of each; evenly spaced

@@ -1,6 +1,7 @@
 """config.py: defaults, strict YAML, CLI precedence, Hydra-style overrides, --print-config round trip."""
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -210,3 +211,18 @@ def test_in_range_edges_pass():
 
     cfg = config.parse(grpo.GRPOConfig, ["actor.entropy_coeff=0", "trainer.timeout_s=inf", "algorithm.lam=1"])
     assert cfg.actor.entropy_coeff == 0 and cfg.trainer.timeout_s == float("inf")
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("rollout.n", "0", ">= 1"),
+        ("rollout.top_p", "0", "in (0, 1]"),
+        ("rollout.gpu_memory_utilization", "1.5", "in (0, 1]"),
+    ],
+)
+def test_rollout_numbers_are_checked_at_parse(flag, value, allowed):
+    import grpo
+
+    with pytest.raises(SystemExit, match=rf"error: {flag}={value}\S* must be {re.escape(allowed)}"):
+        config.parse(grpo.GRPOConfig, [f"{flag}={value}"])

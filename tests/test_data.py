@@ -475,3 +475,23 @@ def test_packed_logprobs_match_padded(tok, tmp_path, attn, mask_dtype):
     assert nll_pad > 1.0 and abs(nll_pad - nll_pack) < 1e-4, (nll_pad, nll_pack)
     diff_pos = max((a - b).abs().max().item() for a, b in zip(lp_pad, lp_pos, strict=True))
     assert diff_pos < 1e-4 and abs(nll_pad - nll_pos) < 1e-4, (diff_pos, nll_pos)
+
+
+def test_a_lone_surrogate_names_its_file_row_and_key_and_can_be_skipped(tok, tmp_path):
+    """JSON allows "\\ud800", which is no Unicode text: the tokenizer used to fail with a TypeError naming nothing.
+    Now one error names the file, the row and the key; skip_bad_rows skips it (reason bad_text), SFT and RL."""
+    good = {"prompt": "What is 1?", "response": "1"}
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps(good) + "\n" + '{"prompt": "What is \\ud800?", "response": "1"}\n')
+    with pytest.raises(
+        data.BadRow, match=r"s.jsonl row 1 \(line 2\): key 'prompt': bad_text: a lone surrogate \\ud800"
+    ):
+        data.SFTDataset(str(path), tok)
+    ds = data.SFTDataset(str(path), tok, skip_bad_rows=True)
+    assert len(ds) == 1 and ds.skipped == {"bad_text": 1}
+    rl = dict(GOOD_RL, prompt=[{"role": "user", "content": "What is \ud800?"}])
+    rl_path = tmp_path / "r.jsonl"
+    rl_path.write_text(json.dumps(GOOD_RL) + "\n" + json.dumps(rl) + "\n")  # json.dumps writes "\ud800"
+    with pytest.raises(data.BadRow, match=r"r.jsonl row 1 \(line 2\): key 'prompt\[0\].content': bad_text"):
+        data.RLDataset(str(rl_path), tok)
+    assert data.RLDataset(str(rl_path), tok, skip_bad_rows=True).skipped == {"bad_text": 1}
