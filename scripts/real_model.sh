@@ -71,17 +71,7 @@ MODEL=$RUNS/model GSM8K=$RUNS/data/gsm8k WORDS=$RUNS/data/arith_words
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # shellcheck disable=SC2206  # TORCHRUN_BIN may be a command with arguments: "python3 -m torch.distributed.run"
 TORCHRUN=(${TORCHRUN_BIN:-.venv/bin/torchrun} --nproc_per_node 1)
-latest() { ls -d "$1"/global_step_* | sort -t_ -k3 -n | tail -1; }
-clock() { date +%s.%N; }
-# stage NAME FILE CMD...: runs CMD and appends "NAME <wall-clock seconds>" to FILE.
-stage() {
-  local name=$1 file=$2 t0
-  shift 2
-  echo "== $name: $*"
-  t0=$(clock)
-  "$@"
-  echo "$name $(awk -v a="$t0" -v b="$(clock)" 'BEGIN { printf "%.1f", b - a }')" >> "$file"
-}
+source scripts/stages.sh  # latest, stage
 mkdir -p "$RUNS"
 
 if has model; then

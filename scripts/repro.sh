@@ -74,17 +74,7 @@ esac
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # shellcheck disable=SC2206  # TORCHRUN_BIN may be a command with arguments: "python3 -m torch.distributed.run"
 TORCHRUN=(${TORCHRUN_BIN:-.venv/bin/torchrun} --nproc_per_node "$NPROC")
-latest() { ls -d "$1"/global_step_* | sort -t_ -k3 -n | tail -1; }
-clock() { date +%s.%N; }
-# stage NAME FILE CMD...: runs CMD and appends "NAME <wall-clock seconds>" to FILE.
-stage() {
-  local name=$1 file=$2 t0
-  shift 2
-  echo "== $name: $*"
-  t0=$(clock)
-  "$@"
-  echo "$name $(awk -v a="$t0" -v b="$(clock)" 'BEGIN { printf "%.1f", b - a }')" >> "$file"
-}
+source scripts/stages.sh  # latest, stage
 
 if has data; then
   rm -rf "${OUT:?}"/{data,model,seed*,plots,summary.json,wall_s.txt}  # only what this script writes
