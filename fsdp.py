@@ -22,6 +22,7 @@ Checkpoints (DCP save and load, the manifest, resume, RNG state) are in checkpoi
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import signal
@@ -154,13 +155,55 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
     """Every trainer's `__main__`: runs main(cfg), prints rank 0's final metrics, and leaves the process group
-    whether main returned or raised (a rank that exits without it can hang the others until their timeout)."""
+    whether main returned or raised (a rank that exits without it can hang the others until their timeout).
+
+    A finished run (main returned, or raised SystemExit: the SIGTERM stop's 143, `trainer.plan`'s 0) leaves
+    through `close_distributed(finished=True)`, so the process exits with main's code and never aborts after
+    its last line. Any other exception leaves through `close_distributed(finished=False)` and propagates with
+    its traceback (exit code 1)."""
     try:
         metrics = main(cfg)
         print0({k: round(v, 4) for k, v in metrics.items()})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except SystemExit:
+        try:
+            close_distributed(finished=True)
+        except Exception as e:  # a peer that died after the stop: say so, but keep main's exit code
+            print(f"rank {os.environ.get('RANK', 0)}: leaving the process group failed: {e!r}", flush=True)
+            close_distributed(finished=False)
+        raise
+    except BaseException:
+        close_distributed(finished=False)
+        raise
+    close_distributed(finished=True)
+
+
+def close_distributed(finished: bool) -> None:
+    """Destroys every process group, so that their backends' worker threads end while Python is fully alive.
+
+    Args:
+        finished: every rank got here with its collectives done (main returned or stopped together). Then, in
+            order: a barrier (no rank tears down while a peer still runs), every DeviceMesh lets go of its
+            process groups, and `destroy_process_group` drops the last reference to each, whose backend
+            finishes its queued work and joins its worker threads here. False (main raised: a peer may never
+            join a collective still queued here, and joining would wait for the timeout): destroys the groups
+            without the barrier, leaving whatever still holds them as it is.
+
+    Why the order matters: after main returns, DTensor's sharding caches keep the FSDP mesh alive, and the mesh
+    keeps its process group alive, so `destroy_process_group` alone leaves gloo's worker threads running into
+    interpreter shutdown. A worker that then drops the last reference to a tensor made in Python must take
+    the GIL; Python 3.11 answers by ending the thread (pthread_exit) inside a noexcept destructor, and
+    std::terminate aborts the finished run: "terminate called without an active exception", exit code -6.
+    """
+    if not dist.is_initialized():
+        return
+    if finished:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        for obj in gc.get_objects():  # DeviceMesh has no registry of instances; the sweep takes ~0.2 s
+            if isinstance(obj, DeviceMesh):
+                getattr(obj, "_pg_registry", {}).clear()  # private (torch 2.13): name -> ProcessGroup
+        _meshes.clear()
+    dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
