@@ -47,6 +47,7 @@ could run code on load. Every DCP read in flatrl goes through `dcp_load` / `read
 from __future__ import annotations
 
 import errno
+import fcntl
 import fnmatch
 import io
 import json
@@ -55,6 +56,8 @@ import pickle
 import random
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,34 @@ def resolve_resume(run_dir: str | Path, resume_mode: str) -> Path | None:
             "pass trainer.resume_mode=disable to start over"
         )
     return None
+
+
+def as_hf_model(path: str) -> str:
+    """A model path the trainers can load: a flatrl checkpoint (RUN/global_step_N, or a run folder RUN for its
+    newest complete one) becomes its Hugging Face folder RUN/hf_global_step_N, exported once by shard_merge.py
+    (LoRA merged), as verl's tutorial hands an SFT checkpoint to GRPO; anything else (a folder, a hub id) comes
+    back as given. Ranks that ask at once wait on a file lock for one export; a checkpoint re-saved after its
+    export is exported again."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").is_file():
+        return path
+    ckpt = p if (p / MANIFEST).is_file() else (resolve_resume(p, "auto") if list_checkpoints(p) else None)
+    if ckpt is None:
+        return path
+    if problem := checkpoint_problem(ckpt):
+        raise ValueError(f"model path {path} is not a complete checkpoint: {problem}")
+    out = ckpt.parent / f"hf_{ckpt.name}"
+    with open(ckpt.parent / f".hf_{ckpt.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        exported = (out / "config.json").is_file()
+        if not exported or (out / "config.json").stat().st_mtime < (ckpt / MANIFEST).stat().st_mtime:
+            print(f"model path {path}: exporting checkpoint {ckpt} to {out} (shard_merge.py)", flush=True)
+            merge = [sys.executable, str(Path(__file__).with_name("shard_merge.py")), "--ckpt-dir", str(ckpt)]
+            done = subprocess.run([*merge, "--out", str(out), "--force"], capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise ValueError(f"model path {path}: exporting {ckpt} failed: {tail[0]}")
+    return str(out)
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -257,7 +257,10 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
         )
     run = rl.start(cfg)
-    temperature = cfg.rollout.temperature
+    cfg, temperature = (
+        run.cfg,
+        cfg.rollout.temperature,
+    )  # run.cfg: model.path as loaded (checkpoint.as_hf_model)
     policy, hf_files = actor.load(cfg.model, run.dist.device)
     ref = None
     if cfg.actor.use_kl_loss and not cfg.trainer.val_only:

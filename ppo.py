@@ -347,6 +347,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
             "objective is PPO-clip (vanilla)"
         )
     run = rl.start(cfg)
+    cfg = run.cfg  # model paths as loaded (rl.hf_model_paths)
     device, temperature = run.dist.device, cfg.rollout.temperature
     critic_layout = actor.Layout(cfg.critic.model.use_remove_padding, run.pad_id, device)
     policy, hf_files = actor.load(cfg.model, device)

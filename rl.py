@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -172,6 +173,7 @@ def start(cfg: Any) -> Run:
     only the validation prompts are loaded (no training sampler: its batch size need not fit)."""
     from transformers import AutoTokenizer
 
+    cfg = hf_model_paths(cfg)
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
     fsdp.stop_at_step_boundary_on_sigterm()
     if cfg.trainer.plan or cfg.trainer.debug:
@@ -221,6 +223,21 @@ def start(cfg: Any) -> Run:
     )
     run_dir = Path(cfg.trainer.default_local_dir).expanduser()
     return Run(cfg, d, run_dir, tokenizer, pad_id, train, val, sampler, total_steps, pool)
+
+
+def hf_model_paths(cfg: Any) -> Any:
+    """cfg with model.path (and PPO's critic.model.path) as the trainers load them: a flatrl checkpoint becomes its
+    exported Hugging Face folder (checkpoint.as_hf_model), so RUN/global_step_N can follow SFT as verl's tutorial
+    hands it over."""
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=checkpoint.as_hf_model(cfg.model.path))
+    )
+    if getattr(cfg, "critic", None) is not None and cfg.critic.model.path:
+        critic_model = dataclasses.replace(
+            cfg.critic.model, path=checkpoint.as_hf_model(cfg.critic.model.path)
+        )
+        cfg = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, model=critic_model))
+    return cfg
 
 
 def memory_settings(cfg: Any) -> dict[str, Any]:

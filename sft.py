@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -264,6 +264,9 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     """Trains; returns the final metrics (train/loss, val/loss_before, val/loss, ...)."""
     from transformers import AutoTokenizer
 
+    # a flatrl checkpoint (an earlier SFT's RUN/global_step_N) is loaded from its exported Hugging Face folder
+    pretrain = checkpoint.as_hf_model(cfg.model.partial_pretrain)
+    cfg = replace(cfg, model=replace(cfg.model, partial_pretrain=pretrain))
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
     fsdp.seed_everything(cfg.trainer.seed)
     run_dir = Path(cfg.trainer.default_local_dir).expanduser()

@@ -502,3 +502,48 @@ def test_resume_takes_a_new_lr_and_refuses_a_new_batch_size(toy_dir, small_sft, 
         sft.main(bigger)
     allowed = dataclasses.replace(bigger.trainer, resume_allow_changes=("data.train_batch_size",))
     assert sft.main(dataclasses.replace(bigger, trainer=allowed))["global_step"] == 4
+
+
+def test_model_path_may_name_a_flatrl_checkpoint(toy_dir, small_sft, tmp_path, one_rank):
+    """verl's tutorial hands an SFT checkpoint to GRPO as model.path. A flatrl RUN/global_step_N (or RUN, for its
+    newest complete checkpoint) is exported once to RUN/hf_global_step_N (shard_merge.py) and loaded from there:
+    grpo.py evaluates it (the hf engine, in process) with the weights and greedy responses of the model
+    shard_merge.py writes by hand, and a second run reuses the export."""
+    import json
+
+    import grpo
+    import rl
+    import rollout
+    import shard_merge
+
+    run = tmp_path / "sft"
+    sft.main(sft_cfg(toy_dir, small_sft, run, total_training_steps=2, save_freq=2))
+    by_hand = shard_merge.merge(run / "global_step_2", tmp_path / "by_hand")
+
+    def evaluate(model_path: Path, out: Path) -> list[str]:
+        cfg = grpo.GRPOConfig(
+            data=rl.RLDataConfig(
+                train_files=str(toy_dir / "rl/train.parquet"),
+                val_files=str(toy_dir / "rl/val.parquet"),
+                max_prompt_length=32,
+                max_response_length=8,
+            ),
+            model=grpo.actor.ModelConfig(path=str(model_path)),
+            rollout=rollout.RolloutConfig(name="hf"),
+            custom_reward_function=rl.RewardConfig(num_workers=0),
+            trainer=rl.RLTrainerConfig(default_local_dir=str(out), val_only=True, logger=["jsonl"]),
+        )
+        grpo.main(cfg)
+        rows = (out / "val_generations" / "step_0.jsonl").read_text().splitlines()
+        return [json.loads(r)["response"] for r in rows]
+
+    from_ckpt = evaluate(run / "global_step_2", tmp_path / "a")
+    assert (run / "hf_global_step_2" / "config.json").is_file()
+    assert from_ckpt == evaluate(by_hand, tmp_path / "b")
+    from safetensors.torch import load_file
+
+    exported, merged = (load_file(d / "model.safetensors") for d in (run / "hf_global_step_2", by_hand))
+    assert exported.keys() == merged.keys() and all(torch.equal(exported[k], merged[k]) for k in merged)
+    stamp = (run / "hf_global_step_2" / "config.json").stat().st_mtime
+    assert evaluate(run, tmp_path / "c") == from_ckpt  # the run folder: its newest checkpoint, export reused
+    assert (run / "hf_global_step_2" / "config.json").stat().st_mtime == stamp
