@@ -236,7 +236,7 @@ RL_ACTOR: dict[str, Rule] = {
     "tau_neg": Ignore("read only by policy_loss.loss_mode=sapo"),
     "freeze_vision_tower": Ignore("text-only models"),
     "policy_loss.loss_mode": Only(
-        ("vanilla",), "flatrl's policy loss is PPO-clip with dual clip (losses.py)"
+        ("vanilla",), "ppo.py's policy loss is PPO-clip with dual clip (gspo: grpo.py)"
     ),
     "policy_loss.*": Ignore("parameters of the other loss modes"),
     "loss_scale_factor": Only((None,), "the loss is normalised as actor.loss_agg_mode says"),
@@ -456,6 +456,13 @@ GRPO: dict[str, Rule] = {
     "critic.enable": Only((None, False), NO_CRITIC),
     "critic.*": Ignore(NO_CRITIC),
     "trainer.critic_warmup": Only((0,), NO_CRITIC),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": Map("actor.policy_loss.loss_mode"),
+    "algorithm.rollout_is": Map("algorithm.rollout_is"),
+    "algorithm.rollout_is_threshold": Map("algorithm.rollout_is_threshold"),
+    "algorithm.rollout_is_level": Only(("token",), "grpo.py weighs each token (verl's token level)"),
+    "algorithm.rollout_is_mode": Only(("truncate",), "grpo.py truncates the weights (TIS); no masking"),
+    "algorithm.rollout_is_threshold_lower": Ignore("truncate mode bounds the weights from above only"),
+    "algorithm.rollout_is_veto_threshold": Only((None,), "no veto of whole sequences"),
 }
 
 # critic.*: the keys not listed are flatrl's names.
