@@ -29,6 +29,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -169,7 +170,9 @@ def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
         try:
             close_distributed(finished=True)
         except Exception as e:  # a peer that died after the stop: say so, but keep main's exit code
-            print(f"rank {os.environ.get('RANK', 0)}: leaving the process group failed: {e!r}", flush=True)
+            print(
+                f"rank {os.environ.get('RANK', 0)}: leaving the process group failed: {e!r}", file=sys.stderr
+            )
             close_distributed(finished=False)
         raise
     except BaseException:
