@@ -33,9 +33,9 @@ def gloo_workers() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
 def test_run_main_keeps_exit_codes_and_ends_the_group_threads(tiny_qwen2, monkeypatch, capsys):
-    """In process: metrics printed after a return; SystemExit(143) and a ValueError propagate as they were; the
-    group is destroyed every time, and after a finish its worker threads are gone although main's FSDP model
-    (a reference cycle) and DTensor's caches both held the group when main returned."""
+    """In process: metrics printed after a return; SystemExit(143) and a ValueError propagate as they were (143
+    also when the orderly teardown fails); the group is destroyed every time; after a finish its worker threads
+    are gone, although main's FSDP model (a reference cycle) and DTensor's caches held the group at return."""
     seen = {}
 
     def trainer(outcome: str) -> dict[str, float]:
@@ -68,6 +68,24 @@ def test_run_main_keeps_exit_codes_and_ends_the_group_threads(tiny_qwen2, monkey
     with pytest.raises(ValueError, match="trainer failed on purpose"):
         fsdp.run_main(trainer, "error")
     assert not dist.is_initialized()
+
+    # A stop whose orderly teardown fails (a peer died at the barrier): the group is still destroyed, the failure
+    # is named on stderr, and the exit code stays the stop's.
+    close = fsdp.close_distributed
+
+    def barrier_fails(finished: bool) -> None:
+        if finished:
+            raise RuntimeError("Connection closed by peer")
+        close(finished)
+
+    monkeypatch.setattr(fsdp, "close_distributed", barrier_fails)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        fsdp.run_main(trainer, "stop")
+    assert stop.value.code == 143 and not dist.is_initialized()
+    assert "rank 0: leaving the process group failed: RuntimeError('Connection closed by peer')" in (
+        capsys.readouterr().err
+    )
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
