@@ -10,6 +10,8 @@
   mesh [world / k, k] ("replicate", "shard"): parameters, gradients and optimizer state are sharded within each
   group of k consecutive ranks (a node) and replicated across the groups, so the all-gathers and
   reduce-scatters stay inside a node and only one gradient all-reduce per step crosses nodes.
+- `run_main`: every trainer's `__main__`. A finished run leaves through `close_distributed`, which ends the
+  process groups' worker threads before Python shuts down (one still running then can abort a finished run).
 - `iter_full_params`: all-gathers one parameter at a time (no whole-model spike) for saving and weight pushes.
 - `explain_oom`: a CUDA or vLLM out-of-memory error becomes one RuntimeError with the memory numbers and the
   settings to lower (never a retry).
@@ -27,6 +29,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -168,7 +171,9 @@ def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
         try:
             close_distributed(finished=True)
         except Exception as e:  # a peer that died after the stop: say so, but keep main's exit code
-            print(f"rank {os.environ.get('RANK', 0)}: leaving the process group failed: {e!r}", flush=True)
+            print(
+                f"rank {os.environ.get('RANK', 0)}: leaving the process group failed: {e!r}", file=sys.stderr
+            )
             close_distributed(finished=False)
         raise
     except BaseException:
@@ -182,23 +187,25 @@ def close_distributed(finished: bool) -> None:
 
     Args:
         finished: every rank got here with its collectives done (main returned or stopped together). Then, in
-            order: a barrier (no rank tears down while a peer still runs), every DeviceMesh lets go of its
-            process groups, and `destroy_process_group` drops the last reference to each, whose backend
-            finishes its queued work and joins its worker threads here. False (main raised: a peer may never
-            join a collective still queued here, and joining would wait for the timeout): destroys the groups
-            without the barrier, leaving whatever still holds them as it is.
+            order: a barrier (no rank tears down while a peer still runs); a garbage collection, and every
+            DeviceMesh lets go of its process groups; `destroy_process_group`, which now drops the last
+            reference to each group, whose backend finishes its queued work and joins its worker threads here.
+            False (main raised: a peer may never join a collective still queued here, and joining would wait
+            for the timeout): destroys the groups without the barrier and leaves whatever holds them as it is.
 
-    Why the order matters: after main returns, DTensor's sharding caches keep the FSDP mesh alive, and the mesh
-    keeps its process group alive, so `destroy_process_group` alone leaves gloo's worker threads running into
-    interpreter shutdown. A worker that then drops the last reference to a tensor made in Python must take
-    the GIL; Python 3.11 answers by ending the thread (pthread_exit) inside a noexcept destructor, and
-    std::terminate aborts the finished run: "terminate called without an active exception", exit code -6.
+    Why: after main returns, its FSDP model (reference cycles, until the next collection) and DTensor's
+    sharding caches (through the mesh) still hold the process group, so `destroy_process_group` alone leaves
+    gloo's worker threads running into interpreter shutdown. A worker that then drops the last reference to a
+    tensor made in Python must take the GIL; Python 3.11 answers by ending the thread (pthread_exit) inside a
+    noexcept destructor, and std::terminate aborts the finished run: "terminate called without an active
+    exception", exit code -6.
     """
     if not dist.is_initialized():
         return
     if finished:
         if dist.get_world_size() > 1:
             dist.barrier()
+        gc.collect()  # FSDP modules are reference cycles: a dropped model holds its group until collected
         for obj in gc.get_objects():  # DeviceMesh has no registry of instances; the sweep takes ~0.2 s
             if isinstance(obj, DeviceMesh):
                 getattr(obj, "_pg_registry", {}).clear()  # private (torch 2.13): name -> ProcessGroup
