@@ -42,7 +42,6 @@ def tiny_qwen2(tmp_path) -> Path:
 @pytest.fixture
 def one_rank(monkeypatch):
     """A one-process gloo group in this process (as `python sft.py` makes one), destroyed after the test."""
-    import torch.distributed as dist
 
     import fsdp
 
@@ -52,8 +51,7 @@ def one_rank(monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     yield fsdp.init_distributed(timeout_s=120)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    fsdp.close_distributed(finished=True)  # its gloo threads end now, not at the pytest process's exit
 
 
 # Environment of the CPU RL runs: vLLM in-process (collective_rpc reaches the trainer's tensors), a 1 GiB KV cache.
