@@ -41,6 +41,7 @@ import log
 import optim
 import perf
 import reward
+import reward_pool
 import rollout
 
 # ------------------------------------------------------------------------------------------- settings
@@ -124,7 +125,7 @@ class Run:
     val: data.RLDataset | None
     sampler: data.EpochSampler | None
     total_steps: int
-    pool: reward.RewardPool
+    pool: reward_pool.RewardPool
     logger: log.Logger | None = None
     scorer: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-reward")
@@ -214,7 +215,7 @@ def start(cfg: Any) -> Run:
     fn_spec = (rc.path, rc.name) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
     reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
-    pool = reward.RewardPool(
+    pool = reward_pool.RewardPool(
         fn_spec,
         num_workers=rc.num_workers,
         timeout_s=rc.timeout_s,
@@ -392,7 +393,7 @@ def generate(
     return samples, prompts[mine]
 
 
-def score(pool: reward.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
+def score(pool: reward_pool.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
     """Decodes the responses (in one batch: the tokenizer's Rust side, threads where TOKENIZERS_PARALLELISM
     allows), scores them, stores sample.score; returns the pool's reward/errors* metrics."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)

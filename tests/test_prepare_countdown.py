@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
 import reward
+import reward_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = ROOT / "scripts" / "countdown_accuracy.py"
@@ -168,7 +169,7 @@ def test_accuracy_reward_is_one_or_zero():
     with pytest.raises(ValueError, match="countdown rows only"):
         fn("openai/gsm8k", "#### 1", "1")
     # Through the worker pool, as repro.sh's runs use it (the worker imports reward.py from the repo).
-    pool = reward.RewardPool((str(ACCURACY), "compute_score"), num_workers=1, timeout_s=30)
+    pool = reward_pool.RewardPool((str(ACCURACY), "compute_score"), num_workers=1, timeout_s=30)
     try:
         items = [
             dict(data_source="countdown", prompt="p", response=resp, ground_truth=gt, extra_info={})

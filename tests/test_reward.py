@@ -1,4 +1,5 @@
-"""Tests for reward.py: scorers on the real GSM8K files and hand cases, dispatch, custom functions, the pool."""
+"""Tests for reward.py (scorers on the real GSM8K files and hand cases, dispatch, custom functions) and
+reward_pool.py (the worker pool)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import reward  # noqa: E402
 from reward import (  # noqa: E402
-    RewardPool,
     adapt_reward_fn,
     countdown_score,
     default_compute_score,
@@ -26,6 +26,7 @@ from reward import (  # noqa: E402
     load_reward_fn,
     math_score,
 )
+from reward_pool import RewardPool  # noqa: E402
 
 GSM8K_DIR = Path(__file__).parents[1] / "../shared/data/gsm8k"
 
@@ -597,8 +598,8 @@ def test_processes_end_when_the_trainer_dies(rewards_py, tmp_path):
     script = f"""
 import os, sys, threading, time
 sys.path.insert(0, {str(Path(reward.__file__).parent)!r})
-import reward
-pool = reward.RewardPool(({rewards_py!r}, "spawn"), num_workers=2, timeout_s=60)
+import reward_pool
+pool = reward_pool.RewardPool(({rewards_py!r}, "spawn"), num_workers=2, timeout_s=60)
 items = [dict(prompt={str(idle)!r}, response="ok"), dict(prompt={str(busy)!r}, response="hang")]
 threading.Thread(target=pool.score, args=(items,), daemon=True).start()
 while not (os.path.exists({str(busy)!r}) and os.path.exists({str(idle)!r})):
