@@ -1,5 +1,6 @@
 """End to end: seconds per GRPO step and samples per hour, flatrl's grpo.py against TRL's GRPOTrainer (colocated
-vLLM), same model, batch, group size, lengths, learning rate and GPU, each in its own process.
+vLLM) and verl's main_ppo (GRPO, hybrid engine), same model, batch, group size, lengths, learning rate and GPU, each
+in its own process (`--peers trl,verl`; each peer is skipped with the reason where it cannot run).
 
 Both train a random-initialised Qwen2.5 shape on `--num-prompts` prompts of `--prompt-len` random letters (one
 token each: bench/common.py's tokenizer) with `--n` responses of `--response-len` tokens each, one optimizer
@@ -15,6 +16,11 @@ reported apart (first-call costs).
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
   gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
+- verl 0.9.1 (bench/e2e_verl.py; the payload from bench/build_verl_payload.sh, unpacked by
+  bench/verl_device_install.sh into `--verl-site`, first on the verl subprocess's PYTHONPATH only): FSDP2, vLLM
+  rollout, `rollout.ignore_eos`, verl's defaults elsewhere (gradient checkpointing on); its own `timing_s/*` and
+  memory metrics, plus the device's used memory sampled every 0.25 s. `--verl-override KEY=VALUE` adds a Hydra
+  override.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
@@ -24,7 +30,8 @@ used (total minus free: what runs out): torch's allocated count of flatrl's proc
 KV cache, whose tensors stay allocated while their memory is unmapped (H200, 0.5B: 46 GiB "allocated" in the
 reward phase with 11.6 GiB of the device in use).
 
-    python bench/bench_e2e.py --model 0.5b --out $OUT/e2e.json      # H200: ~6 min (TRL ~3 of them)
+    python bench/bench_e2e.py --model 0.5b --peers trl --out $OUT/e2e.json     # H200: ~6 min (TRL ~3 of them)
+    python bench/bench_e2e.py --model 0.5b --peers verl --out $OUT/e2e_verl.json   # H200: not yet run
     python bench/bench_e2e.py --toy --out /tmp/e2e_toy.json          # CPU: ~1 min, flatrl only
 """
 
@@ -309,11 +316,12 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
 def main(args: argparse.Namespace) -> dict:
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
     model = str(common.build_model(args.model, f"{work}/{args.model}"))
+    max_steps = max(args.steps, args.trl_steps, args.verl_steps)
     if args.toy:
         data = str(Path(model).parent / "rl" / "train.parquet")
     else:
         data = str(
-            write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (args.steps + 1), args.prompt_len)
+            write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (max_steps + 1), args.prompt_len)
         )
         check_prompts(model, data, args.prompt_len)
     if torch.cuda.is_available():
@@ -400,8 +408,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "push to the next optimizer step",
     )  # fmt: skip
     p.add_argument(
-        "--peers", default="trl,verl", type=lambda v: [x for x in v.split(",") if x],
-        help="comma-separated peers to run after flatrl: trl, verl (each is skipped with a reason where it cannot run)",
+        "--peers", default="trl", type=lambda v: [x for x in v.split(",") if x],
+        help="comma-separated peers to run after flatrl: trl, verl (each skipped with the reason where it cannot run; all three at 0.5B take more than one 10-minute device call)",
     )  # fmt: skip
     p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
     p.add_argument("--verl-steps", type=int, default=4, help="verl steps (the first is reported apart)")
