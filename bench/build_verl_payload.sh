@@ -34,7 +34,15 @@ pipdl -d "$W/wheels" tokenizers==0.22.2 huggingface-hub==1.33.0 safetensors==0.8
   msgpack==1.2.4 protobuf==6.33.6 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3 \
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 \
   yarl==1.25.1 cloudpickle==3.1.3 datasets==5.2.0 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 \
-  uvicorn==0.55.0 prometheus-client==0.26.0
+  uvicorn==0.55.0 prometheus-client==0.26.0 \
+  watchfiles==1.3.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0 \
+  prometheus-fastapi-instrumentator==8.1.0 python-multipart==0.0.34 uvloop==0.23.0
+# verl serves its rollout through vLLM's OpenAI server (build_app, uvicorn), a path of vLLM that the vLLM payload
+# (made for the offline LLM path) never ran: what that path imports, found by reading vllm 0.24's entrypoints and
+# its Requires-Dist, is a root of the device's choice too (FastAPI wants python-multipart for the form routes),
+# and so is aiohttp, which verl's reward loop imports but lists only through ray[default].
+printf '%s\n' aiohttp uvicorn watchfiles model-hosting-container-standards "prometheus-fastapi-instrumentator>=8.0.0" \
+  python-multipart uvloop > "$W/stage/roots"
 # Unzip keeping the file modes: ray starts its raylet and gcs_server binaries from inside the package.
 python3 - "$W/always" "$W/stage/site" <<'EOF'
 import os, sys, zipfile, pathlib
@@ -49,7 +57,7 @@ EOF
 # What the GRPO run never loads: the Java worker (33 MB), the dashboard's web front end, RLlib.
 rm -rf "$W"/stage/site/ray/jars "$W"/stage/site/ray/dashboard/client/build "$W"/stage/site/ray/rllib
 cp "$W"/wheels/*.whl "$W/stage/wheels/"
-tar -C "$W/stage" -cf - site wheels | xz -T2 -6 > "$W/verl.tar.xz"
+tar -C "$W/stage" -cf - site wheels roots | xz -T2 -6 > "$W/verl.tar.xz"
 size=$(stat -c %s "$W/verl.tar.xz"); n=$(( (size + PART_BYTES - 1) / PART_BYTES ))
 rm -rf .gpu_verl[0-9]*
 split -b "$PART_BYTES" -d -a 1 "$W/verl.tar.xz" "$W/part."

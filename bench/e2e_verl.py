@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -116,9 +117,8 @@ def env(args, run_dir: str) -> dict[str, str]:
     """The verl subprocess's environment: the payload first on PYTHONPATH (Ray's workers inherit it), verl's
     file logger at `run_dir`/metrics.jsonl, and vLLM's engine in its own process as verl runs it."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(
-        p for p in (args.verl_site, str(BENCH.parent), e.get("PYTHONPATH")) if p
-    )
+    # Not the repo root: flatrl's top-level modules (data, log, rollout, ...) must not shadow anything of verl's.
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (args.verl_site, e.get("PYTHONPATH")) if p)
     e["VERL_FILE_LOGGER_PATH"] = f"{run_dir}/metrics.jsonl"
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # flatrl's in-process setting; verl's server runs its own
     e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried
@@ -269,12 +269,16 @@ def run(args, model: str, data: str, work: str) -> dict:
     log = Path(run_dir, "console.log")
     t0 = time.perf_counter()
     with DeviceWatch(metrics) as watch, log.open("w") as out:
+        # Its own session, so that a timeout ends Ray's processes (raylet, workers, the vLLM server) too: left
+        # running, they would keep their GPU memory for the next call on the same machine.
+        proc = subprocess.Popen(cmd, cwd=run_dir, env=env(args, run_dir), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
         try:
-            p = subprocess.run(cmd, cwd=run_dir, env=env(args, run_dir), stdout=out, stderr=subprocess.STDOUT,
-                               timeout=args.timeout_s)  # fmt: skip
-            rc = p.returncode
+            rc = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {args.timeout_s:.0f} s"
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
     lines = metrics.read_text().splitlines() if metrics.is_file() else text.splitlines()

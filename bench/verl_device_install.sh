@@ -25,8 +25,8 @@ else
   for i in $(seq 1 "$n"); do cat "$parts/verl.part$i"; done | xz -d -T0 | tar -x -C /tmp/verl_stage
   mv /tmp/verl_stage/site "$site"
   # The wheels go in only where the device (with the vLLM payload) has no version that satisfies the
-  # requirements of what is in $site and of the wheels so chosen.
-  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} python3 - "$site" /tmp/verl_stage/wheels <<'EOF' > /tmp/verl_stage/chosen
+  # requirements of what is in $site, of the roots (what vLLM's server path imports) and of the wheels so chosen.
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} python3 - "$site" /tmp/verl_stage/wheels /tmp/verl_stage/roots <<'EOF' > /tmp/verl_stage/chosen
 import importlib.metadata as md, pathlib, sys, zipfile
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as canon
@@ -42,6 +42,7 @@ def needs(text):
                 yield r
 carried = {canon(w.name.split("-")[0]): w for w in wheels.glob("*.whl")}
 todo = [r for m in site.glob("*.dist-info/METADATA") for r in needs(m.read_text())]
+todo += [Requirement(line) for line in pathlib.Path(sys.argv[3]).read_text().splitlines() if line]
 chosen, missing = set(), set()
 while todo:
     r = todo.pop()
