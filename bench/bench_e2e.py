@@ -370,19 +370,23 @@ def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
+    gen = flatrl.get("phases_s", {}).get("gen")
+    used = flatrl.get("peak_device_used_gib")
     out = {
         "flatrl_vs_trl_step_time": ratio(flatrl.get("step_s"), trl.get("step_s")),
-        "flatrl_vs_trl_peak_allocated": ratio(flatrl.get("peak_allocated_gib"), trl.get("peak_allocated_gib")),
-        "flatrl_vs_trl_peak_device_used": ratio(flatrl.get("peak_device_used_gib"), trl.get("peak_device_used_gib")),
-        "flatrl_vs_trl_gen_time": ratio(flatrl.get("phases_s", {}).get("gen"), trl.get("phases_s", {}).get("vLLM.generate")),
+        "flatrl_vs_trl_peak_allocated": ratio(
+            flatrl.get("peak_allocated_gib"), trl.get("peak_allocated_gib")
+        ),
+        "flatrl_vs_trl_peak_device_used": ratio(used, trl.get("peak_device_used_gib")),
+        "flatrl_vs_trl_gen_time": ratio(gen, trl.get("phases_s", {}).get("vLLM.generate")),
         "flatrl_vs_verl_step_time": ratio(flatrl.get("step_s"), verl.get("step_s")),
-        "flatrl_vs_verl_peak_device_used": ratio(flatrl.get("peak_device_used_gib"), verl.get("peak_device_used_gib")),
-        "flatrl_vs_verl_gen_time": ratio(flatrl.get("phases_s", {}).get("gen"), verl.get("phases_s", {}).get("gen")),
-    }  # fmt: skip
+        "flatrl_vs_verl_peak_device_used": ratio(used, verl.get("peak_device_used_gib")),
+        "flatrl_vs_verl_gen_time": ratio(gen, verl.get("phases_s", {}).get("gen")),
+    }
     lower = min(
         (r["peak_device_used_gib"] for r in (trl, verl) if r.get("peak_device_used_gib")), default=None
     )
-    out["flatrl_vs_lower_peer_peak_device_used"] = ratio(flatrl.get("peak_device_used_gib"), lower)
+    out["flatrl_vs_lower_peer_peak_device_used"] = ratio(used, lower)
     return out
 
 
@@ -408,18 +412,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "push to the next optimizer step",
     )  # fmt: skip
     p.add_argument(
-        "--peers", default="trl", type=lambda v: [x for x in v.split(",") if x],
-        help="comma-separated peers to run after flatrl: trl, verl (each skipped with the reason where it cannot run; all three at 0.5B take more than one 10-minute device call)",
-    )  # fmt: skip
+        "--peers",
+        default="trl",
+        type=lambda v: [x for x in v.split(",") if x],
+        help="comma-separated peers to run after flatrl: trl, verl (each skipped with the reason where it "
+        "cannot run; all three at 0.5B take more than one 10-minute device call)",
+    )
     p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
     p.add_argument("--verl-steps", type=int, default=4, help="verl steps (the first is reported apart)")
     p.add_argument(
         "--verl-site", default="/tmp/verl_site", help="the unpacked verl payload, first on verl's PYTHONPATH"
     )
     p.add_argument(
-        "--verl-override", action="append", default=[],
+        "--verl-override",
+        action="append",
+        default=[],
         help="one more Hydra override of verl's ppo_trainer.yaml (repeatable; applied last)",
-    )  # fmt: skip
+    )
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)

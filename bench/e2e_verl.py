@@ -5,13 +5,14 @@ flatrl and TRL keep the device's.
 
 The run matches flatrl's (bench_e2e.py): the same random-init model folder, prompts of the same letters, batch
 (`--num-prompts` x `--n`), lengths, lr 1e-6, no KL, no entropy term, temperature 1, `ignore_eos`, vLLM memory share
-and reward (bench/e2e_reward.py's compute_score, verl's signature). verl's own defaults stay where flatrl has no
-equivalent setting, and are recorded in the result: FSDP2 with fp32 master weights and bf16 compute, gradient
-checkpointing on, remove-padding on, dynamic micro-batches of `--token-budget` tokens, vLLM max_num_seqs 256 and
-max_num_batched_tokens 8192, one GPU with the hybrid engine (actor and vLLM colocated; verl's v1 "sync" trainer,
-its default). verl reads the prompt column as chat messages and always applies the tokenizer's chat template, so
-its parquet holds [{"role": "user", "content": letters}] and the template writes the content alone: the prompt is
-the same `--prompt-len` tokens that flatrl sends with `apply_chat_template: false`.
+and reward (bench/e2e_reward.py's compute_score, verl's signature). Elsewhere verl keeps its defaults (the
+command goes into the result): FSDP2 with fp32 master weights and bf16 compute, gradient checkpointing on, dynamic
+micro-batches of `--token-budget` tokens, vLLM max_num_seqs 256 and max_num_batched_tokens 8192, one GPU with the
+hybrid engine (actor and vLLM colocated; the v1 "sync" trainer). One default changes: sdpa attention over padded
+micro-batches instead of flash-attention over packed ones (the device has no flash-attn; overrides() says why).
+verl reads the prompt column as chat messages and always applies the tokenizer's chat template, so its parquet
+holds [{"role": "user", "content": letters}] and the template writes the content alone: the prompt is the same
+`--prompt-len` tokens that flatrl sends with `apply_chat_template: false`.
 
 Figures from verl's own metrics (its file logger, `trainer.logger=[console,file]`, one JSON line a step):
 `timing_s/step` per step, the phases `timing_s/*` (gen, reward, old_log_prob, adv, update_actor,
@@ -81,6 +82,12 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
         "data.shuffle=False",
         f"actor_rollout_ref.model.path={model}",
         f'actor_rollout_ref.model.custom_chat_template="{RAW_TEMPLATE}"',
+        # verl asks transformers for flash_attention_2, and the device has no flash-attn (PyPI has only its
+        # sdist). sdpa instead, and padded micro-batches: transformers 5.9's sdpa lets the sequences of verl's
+        # packed (remove-padding) row attend to each other (logits off by 0.37 on a tiny Qwen2, CPU). With
+        # ignore_eos every sequence is prompt + response tokens long, so padding adds no tokens here.
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
         f"{actor}.strategy=fsdp2",
         f"{actor}.optim.lr=1e-6",
         f"{actor}.ppo_mini_batch_size={args.num_prompts}",
@@ -165,12 +172,15 @@ def summarise(rows: list[dict]) -> dict:
     }
     peak = lambda key: max((r[key] for r in rows if r.get(key) is not None), default=None)  # noqa: E731
     return {
-        "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
-        "phases_s": phases, "peak_allocated_gib": peak("perf/max_memory_allocated_gb"),
+        "step_s": statistics.median(steps[1:] or steps),
+        "first_step_s": steps[0],
+        "steps_s": steps,
+        "phases_s": phases,
+        "peak_allocated_gib": peak("perf/max_memory_allocated_gb"),
         "peak_reserved_gib": peak("perf/max_memory_reserved_gb"),
         "mfu": statistics.median(r.get("perf/mfu/actor", 0.0) for r in later),
         "response_length_mean": rows[-1].get("response_length/mean"),
-    }  # fmt: skip
+    }
 
 
 class DeviceWatch:
@@ -223,9 +233,12 @@ def check_prompts(args, model: str, data: str) -> str | None:
         "import transformers; print(transformers.__version__, type(tok).__name__, sorted(lens))\n"
     )
     p = subprocess.run(
-        [sys.executable, "-c", code, model, data, RAW_TEMPLATE], env=env(args, str(Path(data).parent)),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", code, model, data, RAW_TEMPLATE],
+        env=env(args, str(Path(data).parent)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0:
         return f"the prompt check failed in verl's environment: {p.stderr.strip()[-1500:]}"
     version, cls, lens = p.stdout.split(maxsplit=2)
@@ -241,9 +254,12 @@ def available(args) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA: verl's vLLM rollout and FSDP engine run on GPUs"
     p = subprocess.run(
-        [sys.executable, "-c", f"import {', '.join(MODULES)}"], env=env(args, "/tmp"),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", f"import {', '.join(MODULES)}"],
+        env=env(args, "/tmp"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0:
         return (
             f"verl is not importable with {args.verl_site} first on PYTHONPATH (build it with "
@@ -271,8 +287,14 @@ def run(args, model: str, data: str, work: str) -> dict:
     with DeviceWatch(metrics) as watch, log.open("w") as out:
         # Its own session, so that a timeout ends Ray's processes (raylet, workers, the vLLM server) too: left
         # running, they would keep their GPU memory for the next call on the same machine.
-        proc = subprocess.Popen(cmd, cwd=run_dir, env=env(args, run_dir), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=run_dir,
+            env=env(args, run_dir),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -284,14 +306,19 @@ def run(args, model: str, data: str, work: str) -> dict:
     lines = metrics.read_text().splitlines() if metrics.is_file() else text.splitlines()
     rows = parse_metrics(lines)
     if rc != 0 or not rows:
-        return {"error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
-                "tail": text[-4000:], "command": cmd}  # fmt: skip
+        return {
+            "error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
+            "tail": text[-4000:],
+            "command": cmd,
+        }
     out = summarise(rows)
     first_start = watch.lines[0] - out["first_step_s"] if watch.lines else None
     out |= {
         "peak_device_used_gib": watch.peak(first_start, watch.lines[-1]) if watch.lines else None,
-        "peak_device_used_run_gib": watch.peak(), "process_wall_s": round(wall, 1),
-        "startup_s": round(first_start - t0, 1) if first_start else None, "steps_logged": len(rows),
+        "peak_device_used_run_gib": watch.peak(),
+        "process_wall_s": round(wall, 1),
+        "startup_s": round(first_start - t0, 1) if first_start else None,
+        "steps_logged": len(rows),
         "command": cmd,
-    }  # fmt: skip
+    }
     return out

@@ -23,11 +23,20 @@ import e2e_verl  # noqa: E402
 def step(n: int, step_s: float, gen: float, update: float, alloc: float) -> dict:
     """One step's metrics as verl's trainer logs them (a subset, with its names)."""
     return {
-        "timing_s/step": step_s, "timing_s/gen": gen, "timing_s/reward": 0.2, "timing_s/old_log_prob": 1.0,
-        "timing_s/adv": 0.05, "timing_s/update_actor": update, "timing_s/update_weights": 0.4,
-        "timing_per_token_ms/gen": 0.01, "perf/max_memory_allocated_gb": alloc, "perf/max_memory_reserved_gb": alloc + 2,
-        "perf/mfu/actor": 0.2, "response_length/mean": 512.0, "actor/pg_loss": -0.01,
-    }  # fmt: skip
+        "timing_s/step": step_s,
+        "timing_s/gen": gen,
+        "timing_s/reward": 0.2,
+        "timing_s/old_log_prob": 1.0,
+        "timing_s/adv": 0.05,
+        "timing_s/update_actor": update,
+        "timing_s/update_weights": 0.4,
+        "timing_per_token_ms/gen": 0.01,
+        "perf/max_memory_allocated_gb": alloc,
+        "perf/max_memory_reserved_gb": alloc + 2,
+        "perf/mfu/actor": 0.2,
+        "response_length/mean": 512.0,
+        "actor/pg_loss": -0.01,
+    }
 
 
 STEPS = [step(1, 40.0, 20.0, 12.0, 30.5), step(2, 25.0, 14.0, 8.0, 31.0), step(3, 27.0, 15.0, 9.0, 30.0)]
@@ -68,7 +77,7 @@ def bench_args(*argv: str) -> argparse.Namespace:
 def test_overrides_carry_the_bench_settings_and_user_overrides_win():
     args = bench_args("--verl-override", "actor_rollout_ref.rollout.max_num_seqs=512")
     ov = e2e_verl.overrides(args, "/m", "/d.parquet", "/run")
-    kv = dict(o.split("=", 1) for o in ov)
+    kv = dict(o.lstrip("+").split("=", 1) for o in ov)
     assert kv["algorithm.adv_estimator"] == "grpo" and kv["actor_rollout_ref.rollout.n"] == "8"
     assert kv["data.train_batch_size"] == "64" and kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == "64"
     assert kv["data.max_prompt_length"] == "256" and kv["data.max_response_length"] == "512"
@@ -83,6 +92,8 @@ def test_overrides_carry_the_bench_settings_and_user_overrides_win():
     )
     assert kv["trainer.total_training_steps"] == "4" and kv["trainer.logger"] == "[console,file]"
     assert kv["reward.custom_reward_function.path"].endswith("bench/e2e_reward.py")
+    assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"  # no flash-attn there
+    assert kv["actor_rollout_ref.model.use_remove_padding"] == "False"  # sdpa would mix packed sequences
     assert ov[-1] == "actor_rollout_ref.rollout.max_num_seqs=512"
 
 
