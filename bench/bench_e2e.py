@@ -419,7 +419,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "cannot run; all three at 0.5B take more than one 10-minute device call)",
     )
     p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
-    p.add_argument("--verl-steps", type=int, default=4, help="verl steps (the first is reported apart)")
+    p.add_argument(
+        "--verl-steps", type=int, default=3, help="verl steps (the first is reported apart), as TRL's"
+    )
     p.add_argument(
         "--verl-site", default="/tmp/verl_site", help="the unpacked verl payload, first on verl's PYTHONPATH"
     )

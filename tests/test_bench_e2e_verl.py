@@ -90,7 +90,7 @@ def test_overrides_carry_the_bench_settings_and_user_overrides_win():
         kv["trainer.n_gpus_per_node"] == "1"
         and kv["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "1"
     )
-    assert kv["trainer.total_training_steps"] == "4" and kv["trainer.logger"] == "[console,file]"
+    assert kv["trainer.total_training_steps"] == "3" and kv["trainer.logger"] == "[console,file]"
     assert kv["reward.custom_reward_function.path"].endswith("bench/e2e_reward.py")
     assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"  # no flash-attn there
     assert kv["actor_rollout_ref.model.use_remove_padding"] == "False"  # sdpa would mix packed sequences
