@@ -314,7 +314,10 @@ def run(args, model: str, data: str, work: str) -> dict:
     out = summarise(rows)
     first_start = watch.lines[0] - out["first_step_s"] if watch.lines else None
     out |= {
-        "peak_device_used_gib": watch.peak(first_start, watch.lines[-1]) if watch.lines else None,
+        # Without the metrics file (its path reaches verl through the environment Ray's workers inherit) the
+        # steps' window is unknown, and the whole run's peak stands in, marked as such.
+        "peak_device_used_gib": watch.peak(first_start, watch.lines[-1]) if watch.lines else watch.peak(),
+        "peak_device_used_window": "steps" if watch.lines else "run (no metrics file: parsed the console)",
         "peak_device_used_run_gib": watch.peak(),
         "process_wall_s": round(wall, 1),
         "startup_s": round(first_start - t0, 1) if first_start else None,
