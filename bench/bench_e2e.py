@@ -1,5 +1,6 @@
 """End to end: seconds per GRPO step and samples per hour, flatrl's grpo.py against TRL's GRPOTrainer (colocated
-vLLM), same model, batch, group size, lengths, learning rate and GPU, each in its own process.
+vLLM) and verl's main_ppo (GRPO, hybrid engine), same model, batch, group size, lengths, learning rate and GPU, each
+in its own process (`--peers trl,verl`; each peer is skipped with the reason where it cannot run).
 
 Both train a random-initialised Qwen2.5 shape on `--num-prompts` prompts of `--prompt-len` random letters (one
 token each: bench/common.py's tokenizer) with `--n` responses of `--response-len` tokens each, one optimizer
@@ -15,6 +16,11 @@ reported apart (first-call costs).
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
   gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
+- verl 0.9.1 (bench/e2e_verl.py; the payload from bench/build_verl_payload.sh, unpacked by
+  bench/verl_device_install.sh into `--verl-site`, first on the verl subprocess's PYTHONPATH only): FSDP2, vLLM
+  rollout, `rollout.ignore_eos`, verl's defaults elsewhere (gradient checkpointing on); its own `timing_s/*` and
+  memory metrics, plus the device's used memory sampled every 0.25 s. `--verl-override KEY=VALUE` adds a Hydra
+  override.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
@@ -24,7 +30,8 @@ used (total minus free: what runs out): torch's allocated count of flatrl's proc
 KV cache, whose tensors stay allocated while their memory is unmapped (H200, 0.5B: 46 GiB "allocated" in the
 reward phase with 11.6 GiB of the device in use).
 
-    python bench/bench_e2e.py --model 0.5b --out $OUT/e2e.json      # H200: ~6 min (TRL ~3 of them)
+    python bench/bench_e2e.py --model 0.5b --peers trl --out $OUT/e2e.json     # H200: ~6 min (TRL ~3 of them)
+    python bench/bench_e2e.py --model 0.5b --peers verl --out $OUT/e2e_verl.json   # H200: not yet run
     python bench/bench_e2e.py --toy --out /tmp/e2e_toy.json          # CPU: ~1 min, flatrl only
 """
 
@@ -45,6 +52,7 @@ import time
 from pathlib import Path
 
 import common
+import e2e_verl
 import torch
 
 BENCH = Path(__file__).resolve().parent
@@ -308,46 +316,78 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
 def main(args: argparse.Namespace) -> dict:
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
     model = str(common.build_model(args.model, f"{work}/{args.model}"))
+    max_steps = max(args.steps, args.trl_steps, args.verl_steps)
     if args.toy:
         data = str(Path(model).parent / "rl" / "train.parquet")
     else:
         data = str(
-            write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (args.steps + 1), args.prompt_len)
+            write_prompts(Path(work, "prompts.parquet"), args.num_prompts * (max_steps + 1), args.prompt_len)
         )
         check_prompts(model, data, args.prompt_len)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     flatrl = run_flatrl(args, model, data, work)
     print("flatrl", flatrl, flush=True)
-    trl = run_trl(args, model, data, work) if not args.skip_trl else {"skipped": "--skip-trl"}
-    print("trl", trl, flush=True)
+    peers = {}
+    for peer in ("trl", "verl"):
+        if peer not in args.peers:
+            peers[peer] = {"skipped": f"not in --peers {','.join(args.peers)}"}
+            continue
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        peers[peer] = (
+            run_trl(args, model, data, work) if peer == "trl" else e2e_verl.run(args, model, data, work)
+        )
+        print(peer, peers[peer], flush=True)
+    trl, verl = peers["trl"], peers["verl"]
     samples = args.num_prompts * args.n
-    for r in (flatrl, trl):
+    for r in (flatrl, trl, verl):
         if "step_s" in r:
             r["samples_per_hour"] = samples / r["step_s"] * 3600
-    both = "step_s" in flatrl and "step_s" in trl
     result = {
         "bench": "e2e",
         "model": args.model,
         "settings": {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "response_len", "steps")}
-        | {"trl_steps": args.trl_steps, "gpu_memory_utilization": args.gpu_memory_utilization,
-           "token_budget": args.token_budget, "flatrl_gradient_checkpointing": args.gradient_checkpointing,
-           "flatrl_offload_optimizer_in_rollout": args.offload_optimizer},
+        | {"trl_steps": args.trl_steps, "verl_steps": args.verl_steps, "peers": args.peers,
+           "gpu_memory_utilization": args.gpu_memory_utilization, "token_budget": args.token_budget,
+           "flatrl_gradient_checkpointing": args.gradient_checkpointing,
+           "flatrl_offload_optimizer_in_rollout": args.offload_optimizer, "verl_override": args.verl_override},
         "flatrl": flatrl,
         "trl": trl,
-        "ratios": {
-            "flatrl_vs_trl_step_time": flatrl["step_s"] / trl["step_s"] if both else None,
-            "flatrl_vs_trl_peak_allocated": (flatrl["peak_allocated_gib"] / trl["peak_allocated_gib"])
-            if both and flatrl.get("peak_allocated_gib") else None,
-            "flatrl_vs_trl_peak_device_used": (flatrl["peak_device_used_gib"] / trl["peak_device_used_gib"])
-            if both and flatrl.get("peak_device_used_gib") else None,
-            "flatrl_vs_trl_gen_time": flatrl["phases_s"]["gen"] / trl["phases_s"]["vLLM.generate"]
-            if both and "vLLM.generate" in trl.get("phases_s", {}) else None,
-        },
-        "targets": {"flatrl_vs_trl_step_time": 0.5, "flatrl_vs_trl_peak_device_used": 1.0},
+        "verl": verl,
+        "ratios": ratios(flatrl, trl, verl),
+        # issue 21: step time <= 0.4x TRL's and <= 0.7x verl's; peak device memory <= the lower peer's
+        "targets": {"flatrl_vs_trl_step_time": 0.4, "flatrl_vs_verl_step_time": 0.7,
+                    "flatrl_vs_lower_peer_peak_device_used": 1.0},
         "hardware": common.hardware(),
     }  # fmt: skip
     return common.emit(result, args.out)
+
+
+def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
+    """flatrl's figures over each peer's (None where either side is missing): step time, peak memory, generation."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    gen = flatrl.get("phases_s", {}).get("gen")
+    used = flatrl.get("peak_device_used_gib")
+    out = {
+        "flatrl_vs_trl_step_time": ratio(flatrl.get("step_s"), trl.get("step_s")),
+        "flatrl_vs_trl_peak_allocated": ratio(
+            flatrl.get("peak_allocated_gib"), trl.get("peak_allocated_gib")
+        ),
+        "flatrl_vs_trl_peak_device_used": ratio(used, trl.get("peak_device_used_gib")),
+        "flatrl_vs_trl_gen_time": ratio(gen, trl.get("phases_s", {}).get("vLLM.generate")),
+        "flatrl_vs_verl_step_time": ratio(flatrl.get("step_s"), verl.get("step_s")),
+        "flatrl_vs_verl_peak_device_used": ratio(used, verl.get("peak_device_used_gib")),
+        "flatrl_vs_verl_gen_time": ratio(gen, verl.get("phases_s", {}).get("gen")),
+    }
+    lower = min(
+        (r["peak_device_used_gib"] for r in (trl, verl) if r.get("peak_device_used_gib")), default=None
+    )
+    out["flatrl_vs_lower_peer_peak_device_used"] = ratio(used, lower)
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -371,7 +411,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="flatrl with model.fsdp_config.offload_optimizer_in_rollout: the AdamW state off the device from the "
         "push to the next optimizer step",
     )  # fmt: skip
-    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument(
+        "--peers",
+        default="trl",
+        type=lambda v: [x for x in v.split(",") if x],
+        help="comma-separated peers to run after flatrl: trl, verl (each skipped with the reason where it "
+        "cannot run; all three at 0.5B take more than one 10-minute device call)",
+    )
+    p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
+    p.add_argument(
+        "--verl-steps", type=int, default=3, help="verl steps (the first is reported apart), as TRL's"
+    )
+    p.add_argument(
+        "--verl-site", default="/tmp/verl_site", help="the unpacked verl payload, first on verl's PYTHONPATH"
+    )
+    p.add_argument(
+        "--verl-override",
+        action="append",
+        default=[],
+        help="one more Hydra override of verl's ppo_trainer.yaml (repeatable; applied last)",
+    )
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
@@ -380,6 +439,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = sorted(set(args.peers) - {"trl", "verl"})
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; allowed: trl, verl")
+    if args.skip_trl:
+        args.peers = [x for x in args.peers if x != "trl"]
     if args.toy:
         args.model, args.num_prompts, args.n, args.prompt_len, args.response_len = "toy", 4, 2, 32, 8
         args.steps, args.token_budget = 2, 512
