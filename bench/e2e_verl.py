@@ -13,6 +13,11 @@ micro-batches instead of flash-attention over packed ones (the device has no fla
 verl reads the prompt column as chat messages and always applies the tokenizer's chat template, so its parquet
 holds [{"role": "user", "content": letters}] and the template writes the content alone: the prompt is the same
 `--prompt-len` tokens that flatrl sends with `apply_chat_template: false`.
+The real model's shape (`--model smollm2`: prompts of words, bench_e2e.REAL_LORA) adds LoRA as verl's GRPO-LoRA
+examples set it (`model.lora_rank`, `lora_alpha`, `target_modules`, and `rollout.load_format=safetensors`, so vLLM
+starts from the folder's weights and each sync sends the adapter alone; verl serves it through vLLM's LoRA path,
+unmerged, as its default `model.lora.merge=False` does). Gradient checkpointing is on in every shape (verl's
+default, stated in the command).
 
 Figures from verl's own metrics (its file logger, `trainer.logger=[console,file]`, one JSON line a step):
 `timing_s/step` per step, the phases `timing_s/*` (gen, reward, old_log_prob, adv, update_actor,
@@ -88,6 +93,8 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
         # ignore_eos every sequence is prompt + response tokens long, so padding adds no tokens here.
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        *lora_overrides(args),
         f"{actor}.strategy=fsdp2",
         f"{actor}.optim.lr=1e-6",
         f"{actor}.ppo_mini_batch_size={args.num_prompts}",
@@ -117,6 +124,19 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
         f"trainer.default_local_dir={run_dir}/checkpoints",
         f"hydra.run.dir={run_dir}/hydra",
         *args.verl_override,
+    ]
+
+
+def lora_overrides(args) -> list[str]:
+    """verl's LoRA keys for the shape's LoRA (`args.lora`, None for full fine-tuning)."""
+    if not args.lora:
+        return []
+    return [
+        f"actor_rollout_ref.model.lora_rank={args.lora['rank']}",
+        f"actor_rollout_ref.model.lora_alpha={args.lora['alpha']}",
+        f"actor_rollout_ref.model.target_modules={args.lora['target_modules']}",
+        # As verl's GRPO-LoRA examples: vLLM loads the base weights from the folder, so no base sync is needed.
+        "actor_rollout_ref.rollout.load_format=safetensors",
     ]
 
 
