@@ -69,7 +69,7 @@ REWARD = BENCH / "e2e_reward.py"
 
 # The real model's shape: LoRA as issue 17's H200 run had it (configs/grpo_gsm8k_qwen2.5-0.5b.yaml), with gradient
 # checkpointing. "all-linear" means every linear layer but the output one in flatrl (lora.py), PEFT and verl alike.
-REAL_LORA = {"rank": 32, "alpha": 32.0, "target_modules": "all-linear"}
+REAL_LORA = {"rank": 32, "alpha": 32, "target_modules": "all-linear"}  # ints: verl types lora_alpha int
 # Words that SmolLM2's tokenizer encodes to one token each, alone and after a space (its pre-tokenizer splits before
 # each space-led word, so no merge crosses two words): a prompt of k of them, space-separated, is k tokens.
 # check_prompts proves it for every prompt of a run; tests/test_bench_e2e_smollm2.py for this list.
