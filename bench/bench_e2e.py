@@ -16,9 +16,9 @@ reward stay as above (256 + 512: GSM8K's prompts fit 256 tokens, and 512 was tha
 The step time is the median of the steps after the first (flatrl: metrics.jsonl timing_s/step; TRL: the time
 between optimizer-step ends); the first step is reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
-  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing`, sleep level 2, the
-  optimizer state on the device unless `--offload-optimizer`),
-  `rollout.ignore_eos` for fixed lengths.
+  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
+  sleep level 2, the optimizer state on the device unless `--offload-optimizer`), `rollout.ignore_eos` for fixed
+  lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
