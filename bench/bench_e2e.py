@@ -154,7 +154,10 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         flatrl_config(args, model, data, run_dir),
     ]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    try:
+        p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:  # the peers still run, and the JSON still comes back
+        return {"error": f"grpo.py timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         return {"error": f"grpo.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
@@ -179,6 +182,14 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
         "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model),
     }  # fmt: skip
+
+
+def timeout_tail(e: subprocess.TimeoutExpired) -> str:
+    """The last 3,000 characters a timed-out subprocess printed (bytes or str, either stream may be None)."""
+    text = "".join(
+        x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+    )
+    return text[-3000:]
 
 
 def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
@@ -380,7 +391,10 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
         os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     cmd = [sys.executable, __file__, *worker_argv(args, model, data, work, str(out))]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"TRL worker timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
     if p.returncode != 0 or not out.is_file():
         return {"error": f"TRL worker exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
     return json.loads(out.read_text())
@@ -534,7 +548,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="one more Hydra override of verl's ppo_trainer.yaml (repeatable; applied last)",
     )
-    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=900,
+        help="each framework's subprocess; one that times out is reported as its error, and the others still run",
+    )
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

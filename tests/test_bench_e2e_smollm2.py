@@ -139,3 +139,10 @@ def test_verl_lora_overrides_compose_with_verls_config(smollm2, monkeypatch):
     m = cfg.actor_rollout_ref.model
     assert (m.lora_rank, m.lora_alpha, m.target_modules) == (32, 32, "all-linear")
     assert m.enable_gradient_checkpointing and cfg.actor_rollout_ref.rollout.load_format == "safetensors"
+
+
+def test_a_framework_that_times_out_is_an_error_not_a_lost_run(tmp_path):
+    # One device call holds all three frameworks: a timed-out one must leave the others' figures in the JSON.
+    args = bench_e2e.parse(["--model", "0.5b", "--timeout-s", "0.5"])
+    r = bench_e2e.run_flatrl(args, str(tmp_path / "m"), str(tmp_path / "d.parquet"), str(tmp_path))
+    assert r["error"] == "grpo.py timed out after 0.5 s" and isinstance(r["tail"], str)
