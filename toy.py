@@ -16,8 +16,8 @@ writes
     DIR/rl/{train,val}.parquet    verl's RL schema: data_source "flatrl/toy", prompt (chat messages), ability,
                                   reward_model {style: "rule", ground_truth}, extra_info {split, index}.
     DIR/dpo/{train,val}.parquet   preference pairs for dpo.py (TRL's layout): string columns `prompt`, `chosen`
-                                  (the worked solution) and `rejected` (the same worked the same way with one
-                                  column off by one, so its `#### N` is wrong: `make_pair`), on the SFT problems.
+                                  (the worked solution) and `rejected` (the same text with a wrong `#### N`:
+                                  `make_pair`), on the SFT problems.
 
 The task is two-digit column addition and subtraction (12,195 problems, 200 held out for val), e.g.
 
@@ -117,57 +117,50 @@ def answer_of(problem: Problem) -> int:
     return a + b if op == "+" else a - b
 
 
-def solve(problem: Problem, slip: tuple[int, int] | None = None) -> tuple[str, str]:
+def solve(problem: Problem) -> tuple[str, str]:
     r"""Worked column solution of `problem` (one line per column, ones first) and its answer.
 
     (47, "+", 38) -> "7+8=15, carry 1\n4+3+1=8\n#### 85"; (52, "-", 17) -> "12-7=5, borrow 1\n5-1-1=3\n#### 35";
     (512, "-", 498) -> "12-8=4, borrow 1\n11-9-1=1, borrow 1\n5-4-1=0\n#### 14". The top column writes its
     whole result (a final carry included), so no line mentions a carry or borrow that goes nowhere.
 
-    slip: (column, delta), an arithmetic slip for preference pairs (`make_pair`): that column's result is written
-    off by delta (+1 or -1), and the rest of the solution follows from what was written, so the wrong solution is
-    worked the same way and ends in a wrong `#### N`. (47, "+", 38) with (0, -1) -> "7+8=14, carry 1\n4+3+1=8\n#### 84".
-
     Returns:
         (solution, answer): the solution's last line is `#### <answer>`.
     """
     a, op, b = problem
     digits = len(str(a))
-    lines, carry, answer = (
-        [],
-        0,
-        0,
-    )  # carry: 1 carried (+) or borrowed (-) into this column from the one below
+    lines, carry = [], 0  # carry: 1 carried (+) or borrowed (-) into this column from the one below
     for i in range(digits):
         x, y = a // 10**i % 10, b // 10**i % 10
         top = i == digits - 1
-        delta = slip[1] if slip is not None and slip[0] == i else 0
         if op == "+":
-            value = x + y + carry + delta
+            value = x + y + carry
             out = 0 if top else int(value >= 10)
             line = f"{x}+{y}" + ("+1" if carry else "") + f"={value}"
             lines.append(line + (", carry 1" if out else ""))
         else:
             out = 0 if top else int(x - carry < y)
-            value = x + 10 * out - y - carry + delta
-            line = f"{x + 10 * out}-{y}" + ("-1" if carry else "") + f"={value}"
+            line = f"{x + 10 * out}-{y}" + ("-1" if carry else "") + f"={x + 10 * out - y - carry}"
             lines.append(line + (", borrow 1" if out else ""))
-        answer += (value if top else value % 10) * 10**i
         carry = out
-    return "\n".join(lines) + f"\n#### {answer}", str(answer)
+    answer = str(answer_of(problem))
+    return "\n".join(lines) + f"\n#### {answer}", answer
 
 
 def make_pair(problem: Problem, rng: random.Random) -> tuple[str, str]:
-    """(chosen, rejected) worked solutions of `problem`: the right one, and one with a slip in a random column
-    (`solve`'s slip), in a direction that keeps every written column result a plausible one: never negative, and a
-    single digit below the top column of a subtraction."""
-    column = rng.randrange(len(str(problem[0])))
+    """(chosen, rejected) responses to `problem` for preference training, worked the same way: the right worked
+    solution, and the same text with one digit of its `#### N` line off by one (85 -> 84, 86, 75 or 95; never a
+    leading 0). The columns are right in both, so the pair teaches reading the answer off the work, which is what
+    the toy SFT model gets wrong most (e.g. "3+8=11 ... #### 115" for 38 + 6, measured: tests/test_dpo_e2e.py)."""
+    chosen, answer = solve(problem)
+    column = rng.randrange(len(answer))
     for delta in rng.sample((-1, 1), 2):
-        rejected, _ = solve(problem, (column, delta))
-        values = [int(line.split("=")[1].split(",")[0]) for line in rejected.split("\n")[:-1]]
-        if min(values) >= 0 and (problem[1] == "+" or max(values[:-1], default=0) <= 9):
-            return solve(problem)[0], rejected
-    raise AssertionError(f"no slip fits {problem}")  # unreachable: one of the two directions always fits
+        digit = (int(answer[column]) + delta) % 10
+        if column == 0 and digit == 0 and len(answer) > 1:
+            continue
+        wrong = answer[:column] + str(digit) + answer[column + 1 :]
+        return chosen, chosen.removesuffix(answer) + wrong
+    raise AssertionError("unreachable: a leading digit moves to 0 in one direction only")
 
 
 def format_prompt(problem: Problem) -> str:
