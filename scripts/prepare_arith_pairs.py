@@ -75,9 +75,13 @@ def main(args: Args) -> None:
     for split, n in (("train", args.n_train), ("test", args.n_test)):
         path = src / f"{split}.parquet"
         if not path.is_file():
-            raise SystemExit(f"prepare_arith_pairs: {path} is missing; run scripts/prepare_arith_words.py first")
+            raise SystemExit(
+                f"prepare_arith_pairs: {path} is missing; run scripts/prepare_arith_words.py first"
+            )
         rows = pq.read_table(path).to_pylist()[:n]
-        pq.write_table(pa.Table.from_pylist([pair(r, rng) for r in rows], schema=SCHEMA), out / f"{split}.parquet")
+        pq.write_table(
+            pa.Table.from_pylist([pair(r, rng) for r in rows], schema=SCHEMA), out / f"{split}.parquet"
+        )
         print(f"{len(rows)} {split} pairs -> {out / f'{split}.parquet'}")
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
 import dpo
 import losses
 
@@ -53,7 +52,9 @@ def test_dpo_sigmoid_loss_is_the_papers(beta, eps):
 
 @pytest.mark.parametrize("beta", [0.1, 1.0])
 def test_ipo_loss_is_the_papers(beta):
-    want = [((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2 for pc, pr, rc, rr in zip(PC, PR, RC, RR, strict=True)]
+    want = [
+        ((pc - rc) - (pr - rr) - 1 / (2 * beta)) ** 2 for pc, pr, rc, rr in zip(PC, PR, RC, RR, strict=True)
+    ]
     close(losses.ipo_loss(t(PC), t(PR), t(RC), t(RR), beta), want)
     assert beta != 0.1 or abs(want[0] - (1.5 - 5) ** 2) < 1e-12  # pair 0: (h - 1 / 0.2)^2 = 12.25
 
@@ -137,11 +138,16 @@ def test_layouts_give_the_same_tokens(toy_dir, tmp_path):
     assert all(c[-1] == eos for c in first["completions"])
     assert ds.tok.decode(first["prompt"]).endswith("<|im_start|>assistant\n")
     assert ds.tok.decode(first["completions"][1]) == "#### 84<|im_end|>"
-    assert ds.seqs(0) == [(first["prompt"], first["completions"][0]), (first["prompt"], first["completions"][1])]
+    assert ds.seqs(0) == [
+        (first["prompt"], first["completions"][0]),
+        (first["prompt"], first["completions"][1]),
+    ]
 
 
 def test_kto_rows_and_their_kl_partner(toy_dir, tmp_path):
-    rows = [{"prompt": f"What is {a} + 1?", "completion": f"#### {a + 1}", "label": a % 2 == 0} for a in range(4)]
+    rows = [
+        {"prompt": f"What is {a} + 1?", "completion": f"#### {a + 1}", "label": a % 2 == 0} for a in range(4)
+    ]
     ds = dataset(toy_dir, write_jsonl(tmp_path / "k.jsonl", rows), kto=True)
     assert [e["label"] for e in ds.examples] == [True, False, True, False]
     # row i's KL sequence: its own prompt with row (i + 2) % 4's completion
@@ -175,7 +181,9 @@ def test_kto_label_and_length_errors(toy_dir, tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", [{"prompt": "q", "completion": "a", "label": "yes"}])
     with pytest.raises(ValueError, match=r"row 0 \(line 1\): key 'label': bad_label: want true or false"):
         dataset(toy_dir, path, kto=True)
-    long = write_jsonl(tmp_path / "l.jsonl", [{"prompt": "What is 1 + 2?", "chosen": "#### 3", "rejected": "#### 4"}])
+    long = write_jsonl(
+        tmp_path / "l.jsonl", [{"prompt": "What is 1 + 2?", "chosen": "#### 3", "rejected": "#### 4"}]
+    )
     with pytest.raises(ValueError, match="too_long: .* > max_prompt_length 4, max_length 1024"):
         dataset(toy_dir, long, max_prompt_length=4)
     cut = dataset(toy_dir, long, max_prompt_length=4, max_length=6, truncation="keep_end")
