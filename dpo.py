@@ -356,8 +356,17 @@ def precompute_reference(
     return table.float().cpu()
 
 
-SUMS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-        "logps/rejected", "n_chosen", "n_rejected")  # fmt: skip
+SUMS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "n_chosen",
+    "n_rejected",
+)
 """What run_batch adds up over micro-batches and ranks, in the order of its one all-reduce."""
 
 

@@ -125,11 +125,16 @@ def test_layouts_give_the_same_tokens(toy_dir, tmp_path):
     rows = [
         {"prompt": q, "chosen": good, "rejected": bad},
         {"prompt": user, "chosen": [{"role": "assistant", "content": good}], "rejected": bad},
-        {"prompt": q, "chosen": user + [{"role": "assistant", "content": good}],
-         "rejected": user + [{"role": "assistant", "content": bad}]},
-        {"chosen": user + [{"role": "assistant", "content": good}],
-         "rejected": user + [{"role": "assistant", "content": bad}]},
-    ]  # fmt: skip
+        {
+            "prompt": q,
+            "chosen": user + [{"role": "assistant", "content": good}],
+            "rejected": user + [{"role": "assistant", "content": bad}],
+        },
+        {
+            "chosen": user + [{"role": "assistant", "content": good}],
+            "rejected": user + [{"role": "assistant", "content": bad}],
+        },
+    ]
     ds = dataset(toy_dir, write_jsonl(tmp_path / "p.jsonl", rows))
     first = ds.examples[0]
     for e in ds.examples[1:]:
@@ -159,15 +164,30 @@ def test_kto_rows_and_their_kl_partner(toy_dir, tmp_path):
     [
         ({"prompt": "q", "chosen": "a"}, "rejected", "missing_key"),
         ({"prompt": "q", "chosen": "a", "rejected": 3}, "rejected", "want a string or a non-empty list"),
-        ({"prompt": "q", "chosen": "a", "rejected": [{"role": "assistant"}]}, "rejected", "not {role, content}"),
-        ({"prompt": "other", "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-          "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, "prompt",
-         "prompt_mismatch"),
-        ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-          "rejected": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "b"}]}, "rejected",
-         "prompt_mismatch"),
+        (
+            {"prompt": "q", "chosen": "a", "rejected": [{"role": "assistant"}]},
+            "rejected",
+            "not {role, content}",
+        ),
+        (
+            {
+                "prompt": "other",
+                "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+            },
+            "prompt",
+            "prompt_mismatch",
+        ),
+        (
+            {
+                "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "b"}],
+            },
+            "rejected",
+            "prompt_mismatch",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_row_names_file_row_and_key(toy_dir, tmp_path, row, key, words):
     good = {"prompt": "q", "chosen": "a", "rejected": "b"}
     path = write_jsonl(tmp_path / "bad.jsonl", [good, row])

@@ -74,7 +74,11 @@ def test_each_loss_trains(toy_dir, tmp_path, one_rank, loss_type):
     train = toy_dir / "dpo/train.parquet"
     if loss_type == "kto":
         pairs = pq.read_table(train).slice(0, 256).to_pylist()
-        rows = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"} for p in pairs for k in ("chosen", "rejected")]  # fmt: skip
+        rows = [
+            {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
+            for p in pairs
+            for k in ("chosen", "rejected")
+        ]
         train = tmp_path / "kto.parquet"
         pq.write_table(pa.Table.from_pylist(rows), train)
     over = {"algorithm.loss_type": loss_type, "trainer.total_training_steps": 6, "data.train_files": train}
