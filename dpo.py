@@ -390,6 +390,8 @@ def loss_terms(
             "logps/rejected": (logps.detach() * bad).sum(),
             "n_chosen": good.sum(),
             "n_rejected": bad.sum(),
+            "rewards/accuracies": torch.zeros(()),  # unpaired: no accuracy; the margin is taken of the means
+            "rewards/margins": torch.zeros(()),
         }
         return loss.sum(), sums | {"loss": loss.detach().sum()}
     chosen, rejected = logps[0::2], logps[1::2]  # [P]

@@ -63,32 +63,40 @@ def test_two_ranks_equal_one_and_resume_is_exact(toy_dir, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["ipo", "simpo", "kto"])
 def test_each_loss_trains(toy_dir, tmp_path, one_rank, loss_type):
-    """Each loss, in process with LoRA (the reference is the base model: step 1's rewards are 0) or full weights
-    (SimPO, no reference), lowers its loss on the toy pairs in 6 steps; KTO reads them as unpaired rows."""
+    """Each loss, in process, lowers its loss on one fixed batch of 16 toy pairs (KTO: their 32 rows, unpaired)
+    in 6 steps: with LoRA (the reference is the base model: step 1's rewards are 0) or full weights (SimPO)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     import config
     import dpo
 
-    train = toy_dir / "dpo/train.parquet"
+    pairs = pq.read_table(toy_dir / "dpo/train.parquet").slice(0, 16).to_pylist()
+    rows = pairs
     if loss_type == "kto":
-        pairs = pq.read_table(train).slice(0, 256).to_pylist()
         rows = [
             {"prompt": p["prompt"], "completion": p[k], "label": k == "chosen"}
             for p in pairs
             for k in ("chosen", "rejected")
         ]
-        train = tmp_path / "kto.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), train)
-    over = {"algorithm.loss_type": loss_type, "trainer.total_training_steps": 6, "data.train_files": train}
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    over = {
+        "algorithm.loss_type": loss_type,
+        "trainer.total_training_steps": 6,
+        "data.train_files": train,
+        "data.train_batch_size": len(rows),
+    }
     if loss_type != "simpo":
         over |= {"model.lora_rank": 8, "model.lora_alpha": 16, "optim.lr": 1e-2}
+    else:  # SimPO's rewards are beta x mean token logprobs: its papers' beta is 2-2.5
+        over |= {"algorithm.beta": 2.0, "optim.lr": 3e-3}
     cfg = config.parse(dpo.DPOConfig, dpo_args(toy_dir, tmp_path / "run", **over))
     dpo.main(cfg)
     rows = {r["step"]: r for r in read_metrics(tmp_path / "run")}
     if loss_type != "simpo":
         assert abs(rows[1]["train/rewards/chosen"]) < 1e-6 and abs(rows[1]["train/rewards/rejected"]) < 1e-6
     assert rows[6]["train/loss"] < rows[1]["train/loss"] - 0.02, [r["train/loss"] for r in rows.values()]
+    assert rows[6]["train/rewards/margins"] > rows[1]["train/rewards/margins"]
     if loss_type == "kto":
-        assert "train/kl" in rows[6] and rows[6]["train/rewards/margins"] > rows[1]["train/rewards/margins"]
+        assert "train/kl" in rows[6] and "train/rewards/accuracies" not in rows[6]
