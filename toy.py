@@ -360,6 +360,77 @@ def build(
     return out
 
 
+def generate(
+    model_dir: str | Path, prompts: list[str], n: int = 1, temperature: float = 0.0, seed: int = 0
+) -> list[list[str]]:
+    """`n` responses to each prompt (one user turn through the chat template) from the model in `model_dir`,
+    greedy at temperature 0, else sampled (seeded), at most 32 new tokens (every right answer fits in 26)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+    torch.manual_seed(seed)
+    out: list[list[str]] = []
+    for start in range(0, len(prompts), 128):
+        chats = [[{"role": "user", "content": p}] for p in prompts[start : start + 128]]
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            ids = model.generate(
+                **enc,
+                max_new_tokens=32,
+                num_return_sequences=n,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                do_sample=bool(temperature),
+                **sampling,
+            )
+        text = tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out += [text[i : i + n] for i in range(0, len(text), n)]
+    return out
+
+
+def is_right(response: str, problem: Problem) -> bool:
+    """Whether the response's last line is `#### <the answer>` (the strict GSM8K format the val reward reads)."""
+    return response.strip().rsplit("\n", 1)[-1] == f"#### {answer_of(problem)}"
+
+
+def greedy_accuracy(model_dir: str | Path, problems: list[Problem]) -> float:
+    """Share of `problems` the model answers right, greedy."""
+    responses = generate(model_dir, [format_prompt(p) for p in problems])
+    return sum(is_right(r[0], p) for r, p in zip(responses, problems, strict=True)) / len(problems)
+
+
+def policy_pairs(
+    model_dir: str | Path, problems: list[Problem], samples: int = 4, seed: int = 0
+) -> list[dict[str, str]]:
+    """Preference pairs written by the model itself: `samples` responses to each problem at temperature 1; the
+    first right one is `chosen`, the first wrong one `rejected`. A problem whose samples are all right or all wrong
+    gives no pair. From configs/sft_toy.yaml's SFT model, which mostly answers in one (usually wrong) line, the
+    right samples are mostly worked solutions: the pairs prefer working the columns out, as GRPO's reward does."""
+    responses = generate(model_dir, [format_prompt(p) for p in problems], samples, 1.0, seed)
+    rows = []
+    for problem, rs in zip(problems, responses, strict=True):
+        right = [r for r in rs if is_right(r, problem)]
+        wrong = [r for r in rs if not is_right(r, problem) and r.strip()]
+        if right and wrong:
+            rows.append({"prompt": format_prompt(problem), "chosen": right[0], "rejected": wrong[0]})
+    return rows
+
+
+def write_policy_pairs(
+    model_dir: str | Path, out: str | Path, n_train: int = 1024, n_val: int = 200, seed: int = 0
+) -> Path:
+    """OUT/dpo_policy/{train,val}.parquet: policy_pairs on the first n_train SFT train problems and on the n_val
+    val problems of `build(out, seed)` (held out from every train split). Returns the folder."""
+    train, _, val = split_problems(seed, max(n_train, ToyConfig.n_train), n_val)
+    folder = Path(out) / "dpo_policy"
+    for split, problems in (("train", train[:n_train]), ("val", val)):
+        _write(policy_pairs(model_dir, problems, seed=seed), PAIR_SCHEMA, folder / f"{split}.parquet")
+    return folder
+
+
 def main(cfg: ToyConfig) -> Path:
     """Build the toy model and data from `cfg`."""
     return build(

@@ -100,3 +100,44 @@ def test_each_loss_trains(toy_dir, tmp_path, one_rank, loss_type):
     assert rows[6]["train/rewards/margins"] > rows[1]["train/rewards/margins"]
     if loss_type == "kto":
         assert "train/kl" in rows[6] and "train/rewards/accuracies" not in rows[6]
+
+
+def test_policy_pairs_raise_preference_and_greedy_accuracy(toy_dir, tmp_path, one_rank):
+    """configs/sft_toy.yaml's SFT (in process, ~1-2 minutes), then configs/dpo_toy.yaml on pairs the SFT model
+    wrote itself (toy.policy_pairs): the held-out preference accuracy and the greedy task accuracy both rise.
+    Measured: preference accuracy 0 -> 0.70 on 122 val pairs, greedy accuracy 0.07 -> 0.63 on 200 val problems."""
+    import config
+    import dpo
+    import shard_merge
+    import sft
+    import toy
+
+    sft_args = ["--config", "configs/sft_toy.yaml", "--data.val_files", "None", "--trainer.logger", "jsonl"]
+    sft_args += flags(
+        {
+            "data.train_files": toy_dir / "sft/train.parquet",
+            "model.partial_pretrain": toy_dir / "model",
+            "trainer.default_local_dir": tmp_path / "sft",
+        }
+    )
+    sft.main(config.parse(sft.SFTConfig, sft_args))
+    model = shard_merge.merge(tmp_path / "sft/global_step_1000", tmp_path / "sft_hf")
+    pairs = toy.write_policy_pairs(model, tmp_path, n_train=1024)
+    val = toy.split_problems(0, toy.ToyConfig.n_train, toy.ToyConfig.n_val)[2]  # toy_dir's val problems
+    before = toy.greedy_accuracy(model, val)
+
+    run = tmp_path / "dpo"
+    dpo_args = ["--config", "configs/dpo_toy.yaml", "--trainer.logger", "jsonl"]
+    dpo_args += flags(
+        {
+            "data.train_files": pairs / "train.parquet",
+            "data.val_files": pairs / "val.parquet",
+            "model.path": model,
+            "trainer.default_local_dir": run,
+        }
+    )
+    results = dpo.main(config.parse(dpo.DPOConfig, dpo_args))
+    after = toy.greedy_accuracy(shard_merge.merge(run / "global_step_15", tmp_path / "dpo_hf"), val)
+    assert results["val_before/rewards/accuracies"] == 0.0 and results["val/rewards/accuracies"] > 0.6, results
+    assert results["val/loss"] < results["val_before/loss"] - 0.05, results
+    assert before < 0.2 and after > before + 0.3, (before, after)
