@@ -108,8 +108,8 @@ def test_policy_pairs_raise_preference_and_greedy_accuracy(toy_dir, tmp_path, on
     Measured: preference accuracy 0 -> 0.70 on 122 val pairs, greedy accuracy 0.07 -> 0.63 on 200 val problems."""
     import config
     import dpo
-    import shard_merge
     import sft
+    import shard_merge
     import toy
 
     sft_args = ["--config", "configs/sft_toy.yaml", "--data.val_files", "None", "--trainer.logger", "jsonl"]
@@ -138,6 +138,8 @@ def test_policy_pairs_raise_preference_and_greedy_accuracy(toy_dir, tmp_path, on
     )
     results = dpo.main(config.parse(dpo.DPOConfig, dpo_args))
     after = toy.greedy_accuracy(shard_merge.merge(run / "global_step_15", tmp_path / "dpo_hf"), val)
-    assert results["val_before/rewards/accuracies"] == 0.0 and results["val/rewards/accuracies"] > 0.6, results
+    assert results["val_before/rewards/accuracies"] == 0.0 and results["val/rewards/accuracies"] > 0.6, (
+        results
+    )
     assert results["val/loss"] < results["val_before/loss"] - 0.05, results
     assert before < 0.2 and after > before + 0.3, (before, after)
