@@ -341,15 +341,21 @@ def reference_logps(
     return out
 
 
+def batches(n: int, size: int) -> list[list[int]]:
+    """0..n-1 in batches of `size`; a last one too small to give every rank an example joins the one before."""
+    out = [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+    if len(out) > 1 and len(out[-1]) < dist.get_world_size():
+        out[-2] += out.pop()
+    return out
+
+
 def precompute_reference(
     ref: torch.nn.Module, ds: PreferenceDataset, cfg: DPODataConfig, layout: actor.Layout
 ) -> torch.Tensor:
     """The reference logprobs of every example's sequences, [n, k], on every rank (each computes a share)."""
-    n, k = len(ds), len(ds.seqs(0))
-    table = torch.zeros(n, k, dtype=torch.float64)
-    for start in range(0, n, cfg.train_batch_size):
-        groups = share(ds, list(range(start, min(n, start + cfg.train_batch_size))), cfg)
-        for i, lp in reference_logps(ref, ds, groups, layout).items():
+    table = torch.zeros(len(ds), len(ds.seqs(0)), dtype=torch.float64)
+    for idx in batches(len(ds), cfg.train_batch_size):
+        for i, lp in reference_logps(ref, ds, share(ds, idx, cfg), layout).items():
             table[i] = lp.double()
     table = table.to(layout.device)
     dist.all_reduce(table)  # each example was computed on one rank, zeros elsewhere
@@ -490,16 +496,11 @@ def run_batch(
 def validate(
     model: torch.nn.Module, ref, ds: PreferenceDataset, cfg: DPOConfig, layout: actor.Layout
 ) -> dict[str, float]:
-    """run_batch's metrics over the whole validation set, as val/*: batches of data.train_batch_size (a last one
-    too small to give every rank an example joins the one before), weighted by their size."""
-    n, size = len(ds), cfg.data.train_batch_size
-    batches = [list(range(s, min(n, s + size))) for s in range(0, n, size)]
-    if len(batches) > 1 and len(batches[-1]) < dist.get_world_size():
-        batches[-2] += batches.pop()
+    """run_batch's metrics over the whole validation set (`batches` of data.train_batch_size, weighted by size)."""
     out: dict[str, float] = {}
-    for idx in batches:
+    for idx in batches(len(ds), cfg.data.train_batch_size):
         for k, v in run_batch(model, ref, ds, idx, cfg, layout, train=False).items():
-            out[k] = out.get(k, 0.0) + v * len(idx) / n
+            out[k] = out.get(k, 0.0) + v * len(idx) / len(ds)
     return {f"val/{k}": v for k, v in out.items()}
 
 
