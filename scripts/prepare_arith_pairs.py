@@ -13,10 +13,25 @@ Both are written the same way, so the pair differs only in the number. The test 
 of SRC/test.parquet, so configs/dpo_arith_words_smollm2.yaml's val/rewards/accuracies is measured on problems no
 train pair asks, and grpo.py's greedy validation on SRC/test.parquet measures the task accuracy before and after.
 The same seed gives byte-identical files.
+
+On-policy pairs (what raised the toy model's greedy accuracy, configs/dpo_toy.yaml): the model's own right and wrong
+responses, from grpo.py's validation file of several samples a prompt:
+
+    torchrun --nproc_per_node 1 grpo.py --config configs/grpo_arith_words_smollm2.yaml --trainer.val_only \
+      --model.path runs/real/model --data.val_files runs/real/data/arith_words/train.parquet \
+      --rollout.val_kwargs.n 4 --rollout.val_kwargs.temperature 1.0 --rollout.val_kwargs.do_sample \
+      --trainer.default_local_dir runs/real/gen_train
+    python scripts/prepare_arith_pairs.py --generations runs/real/gen_train/val_generations/step_0.jsonl \
+      --out runs/real/data/arith_policy_pairs --split train
+
+writes OUT/SPLIT.parquet: per prompt, its first right response (score 1) against its first wrong non-empty one;
+prompts whose samples all score alike give none. The prompts there are the rendered chat text the engine was given,
+so dpo.py reads them with `data.apply_chat_template=false` (completion = the response + eos, as generated).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +64,10 @@ class Args:
     """Use only the first N test problems (None: all)."""
     seed: int = 0
     """Seed of the wrong answers."""
+    generations: str | None = None
+    """A grpo.py RUN/val_generations/step_N.jsonl of several samples a prompt: write on-policy pairs from it instead."""
+    split: str = "train"
+    """With --generations: the name of the file written (OUT/SPLIT.parquet)."""
 
 
 def worked(expression: str, answer: int) -> str:
@@ -68,8 +87,31 @@ def pair(row: dict, rng: random.Random) -> dict:
     }
 
 
+def policy_pairs(lines: list[dict]) -> list[dict]:
+    """Rows of a val_generations file ({prompt, response, ground_truth, score}) -> {prompt, chosen, rejected}, one
+    per prompt that has a right (score 1) and a wrong non-empty response, in the file's order."""
+    by_prompt: dict[str, list[dict]] = {}
+    for r in lines:
+        by_prompt.setdefault(r["prompt"], []).append(r)
+    rows = []
+    for prompt, rs in by_prompt.items():
+        right = [r["response"] for r in rs if r["score"] == 1]
+        wrong = [r["response"] for r in rs if r["score"] != 1 and r["response"].strip()]
+        if right and wrong:
+            rows.append({"prompt": prompt, "chosen": right[0], "rejected": wrong[0]})
+    return rows
+
+
 def main(args: Args) -> None:
     src, out = Path(args.src).expanduser(), Path(args.out).expanduser()
+    if args.generations is not None:
+        path = Path(args.generations).expanduser()
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = policy_pairs(lines)
+        out.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), out / f"{args.split}.parquet")
+        print(f"{len(rows)} pairs from {len(lines)} responses -> {out / f'{args.split}.parquet'}")
+        return
     rng = random.Random(args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", args.n_train), ("test", args.n_test)):

@@ -209,3 +209,43 @@ def test_kto_label_and_length_errors(toy_dir, tmp_path):
     cut = dataset(toy_dir, long, max_prompt_length=4, max_length=6, truncation="keep_end")
     e = cut.examples[0]
     assert cut.truncated == 1 and len(e["prompt"]) == 4 and [len(c) for c in e["completions"]] == [2, 2]
+
+
+def load_script(name: str):
+    """A module from scripts/ (not a package), by path."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_arith_pairs(toy_dir, tmp_path):
+    """The word-arithmetic pairs: same prompt messages as the RL rows, the right sentence against a wrong number; and
+    on-policy pairs from a val_generations file. Both load into PreferenceDataset."""
+    import pyarrow.parquet as pq
+
+    words, pairs = load_script("prepare_arith_words"), load_script("prepare_arith_pairs")
+    words.main(words.Args(out=str(tmp_path / "w"), n_train=40, n_test=10))
+    pairs.main(pairs.Args(src=str(tmp_path / "w"), out=str(tmp_path / "p")))
+    rl = pq.read_table(tmp_path / "w/test.parquet").to_pylist()
+    got = pq.read_table(tmp_path / "p/test.parquet").to_pylist()
+    assert len(got) == 10 and [g["prompt"] for g in got] == [r["prompt"] for r in rl]
+    for g, r in zip(got, rl, strict=True):
+        truth, wrong = r["reward_model"]["ground_truth"], g["rejected"].rsplit("#### ", 1)[1]
+        assert g["chosen"].endswith(f"is {truth}.\n#### {truth}") and wrong != truth and int(wrong) >= 0
+        assert g["chosen"].split(" is ")[0] == g["rejected"].split(" is ")[0]  # written the same way
+    assert len(dataset(toy_dir, tmp_path / "p/train.parquet")) == 40
+
+    gens = [
+        {"prompt": "<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n", "response": r, "score": s}
+        for r, s in (("wrong\n#### 4", 0.0), ("right\n#### 3", 1.0), ("", 0.0))
+    ]
+    write_jsonl(tmp_path / "gen.jsonl", gens + [dict(gens[1], prompt="all right")])
+    pairs.main(pairs.Args(out=str(tmp_path / "g"), generations=str(tmp_path / "gen.jsonl"), split="train"))
+    rows = pq.read_table(tmp_path / "g/train.parquet").to_pylist()
+    assert rows == [{"prompt": gens[0]["prompt"], "chosen": "right\n#### 3", "rejected": "wrong\n#### 4"}]
+    ds = dataset(toy_dir, tmp_path / "g/train.parquet", apply_chat_template=False)
+    assert ds.tok.decode(ds.examples[0]["completions"][0]) == "right\n#### 3<|im_end|>"
