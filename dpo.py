@@ -67,9 +67,9 @@ Seq = tuple[list[int], list[int]]  # (prompt ids, completion ids)
 class DPODataConfig:
     """Preference data (paired, or unpaired for KTO)."""
 
-    train_files: str | list[str] = "runs/toy/dpo/train.parquet"
+    train_files: str | list[str] = "runs/toy/dpo_policy/train.parquet"
     """Parquet or jsonl file(s): prompt/chosen/rejected rows (KTO: prompt/completion/label)."""
-    val_files: str | list[str] | None = "runs/toy/dpo/val.parquet"
+    val_files: str | list[str] | None = "runs/toy/dpo_policy/val.parquet"
     """Validation file(s) in the same layout; None disables validation."""
     prompt_key: str = "prompt"
     """Column of the prompt: a string (one user turn) or chat messages."""
@@ -153,7 +153,7 @@ class DPOConfig:
     """Preference optimisation with FSDP2 (see the module docstring)."""
 
     data: DPODataConfig = field(default_factory=DPODataConfig)
-    model: actor.ModelConfig = field(default_factory=lambda: actor.ModelConfig(path="runs/demo/sft"))
+    model: actor.ModelConfig = field(default_factory=lambda: actor.ModelConfig(path="runs/demo/sft_hf"))
     algorithm: DPOAlgorithmConfig = field(default_factory=DPOAlgorithmConfig)
     optim: DPOOptimConfig = field(default_factory=DPOOptimConfig)
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
