@@ -16,6 +16,15 @@ peak CUDA memory; perf.plan's update-phase estimate for the packed run next to i
 
     python bench/bench_update.py --sizes 0.5b,1.5b --out $OUT/update.json      # H200: ~3 min
     python bench/bench_update.py --toy --out /tmp/update_toy.json               # CPU: ~30 s
+
+SmolLM2-135M (scripts/get_smollm2.py), issue 17's shape, full fine-tuning and LoRA r32 + gradient checkpointing
+(H200: expected well under 2 minutes each without --profile, not yet run; --profile --steps 1 adds the operator table and the op count):
+
+    M=models/smollm2-135m-instruct; S="--modes packed --num-prompts 64 --n 8 --prompt-len 128 --short-len 64
+        --long-len 384 --mini-batches 1 --steps 2 --token-budget 65536"
+    python bench/bench_update.py --sizes $M $S --out $OUT/update_smollm2_full.json
+    python bench/bench_update.py --sizes $M $S --lora-rank 32 --gradient-checkpointing --out $OUT/update_smollm2_lora.json
+    # CPU smoke of the same path (~1 min): --num-prompts 2 --n 2 --prompt-len 32 --short-len 16 --long-len 48
 """
 
 from __future__ import annotations
@@ -108,7 +117,11 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
     }
     if prof is not None:  # where the update's time goes: the top operators by their own device (or CPU) time
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        out["profile_top"] = prof.key_averages().table(sort_by=key, row_limit=15)
+        events = prof.key_averages()
+        out["profile_top"] = events.table(sort_by=key, row_limit=15)
+        # host work: every aten op is one dispatch (and on GPU mostly one launch); at small hidden sizes the
+        # update is bound by how many there are, not by their FLOPs
+        out["aten_ops_per_update"] = sum(e.count for e in events if e.key.startswith("aten::")) // args.steps
         print(out["profile_top"], flush=True)
     if torch.cuda.is_available():
         out |= {
