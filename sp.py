@@ -26,6 +26,7 @@ are repeated up to lcm(KV heads, SP) (which must divide the query heads), as ver
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch import nn
 
 import attention
 import data
+import fsdp
 import losses
 
 ULYSSES = "flatrl_ulysses"
@@ -64,16 +66,6 @@ def size_of(model: nn.Module) -> int:
     return 1 if g is None else dist.get_world_size(g)
 
 
-def mesh(device_type: str, size: int) -> Any:
-    """The [world / size, size] DeviceMesh ("dp", "sp"): row i holds ranks i*size .. i*size + size - 1."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    if size < 1 or world % size:
-        raise ValueError(f"ulysses_sequence_parallel_size={size} must be >= 1 and divide the {world} ranks")
-    return init_device_mesh(device_type, (world // size, size), mesh_dim_names=("dp", "sp"))
-
-
 def data_parallel(size: int) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel degree) when groups of `size` ranks share data."""
     return dist.get_rank() // size, dist.get_world_size() // size
@@ -88,9 +80,11 @@ def setup(model: nn.Module, size: int, device_type: str, packed: bool) -> nn.Mod
     if size == 1:
         return model
     if not packed:
-        raise ValueError("ulysses_sequence_parallel_size > 1 needs packed batches: set model.use_remove_padding=true")
+        raise ValueError(
+            "ulysses_sequence_parallel_size > 1 needs packed batches: set model.use_remove_padding=true"
+        )
     check_heads(model.config, size)
-    group = mesh(device_type, size).get_group("sp")
+    group = fsdp.sp_mesh(device_type, size).get_group("sp")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -108,7 +102,9 @@ def setup(model: nn.Module, size: int, device_type: str, packed: bool) -> nn.Mod
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """x [P, ...] -> out [P, ...] with out[i] = rank i's x[my rank] (P = group size)."""
     x = x.contiguous()
-    out = torch.empty_like(x)  # contiguous too (empty_like keeps a view's strides, which the collective ignores)
+    out = torch.empty_like(
+        x
+    )  # contiguous too (empty_like keeps a view's strides, which the collective ignores)
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -195,7 +191,9 @@ class _Gather(torch.autograd.Function):
         return g[:, r * ctx.n : (r + 1) * ctx.n].contiguous(), None
 
 
-def shard_batch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> tuple[dict[str, Any], slice, int]:
+def shard_batch(
+    batch: dict[str, torch.Tensor], group: dist.ProcessGroup
+) -> tuple[dict[str, Any], slice, int]:
     """This rank's slice of a packed batch (data.pack_batch, with or without its N x N mask).
 
     The row of N tokens is padded to a multiple of P (the pad is one more sequence in cu_seqlens, positions
@@ -248,7 +246,9 @@ def forward_logprobs(
     if group is None:
         return losses.forward_logprobs(model, batch, labels, temperature, with_entropy, with_raw=with_raw)
     local, mine, N = shard_batch(batch, group)
-    out = losses.forward_logprobs(model, local, _slice(labels, mine, N), temperature, with_entropy, with_raw=with_raw)
+    out = losses.forward_logprobs(
+        model, local, _slice(labels, mine, N), temperature, with_entropy, with_raw=with_raw
+    )
     return tuple(None if t is None else gather(t, group, N) for t in out)  # type: ignore[return-value]
 
 
@@ -260,3 +260,27 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
         return model(**data.model_inputs(batch)).logits
     local, _, N = shard_batch(batch, group)
     return gather(model(**data.model_inputs(local)).logits, group, N)
+
+
+def share_samples(model: nn.Module, samples: list, n_prompts: int) -> tuple[list, int, list[int]]:
+    """The samples of every rank of the model's SP group, on each of them: the same micro-batches then reach the
+    whole group (RL: each rank generated its own). Without SP: (samples, n_prompts, their positions).
+
+    Args:
+        samples: this rank's actor.Sample list, `group` indexing its n_prompts prompts.
+    Returns:
+        (copies of the group's samples in rank order, each `group` shifted past the earlier ranks' prompts; the
+        group's prompt count; the positions of this rank's own samples in that list).
+    """
+    group = group_of(model)
+    if group is None:
+        return samples, n_prompts, list(range(len(samples)))
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (samples, n_prompts), group=group)
+    out, offset, mine = [], 0, []
+    for r, (theirs, n) in enumerate(every):
+        if r == dist.get_rank(group):
+            mine = list(range(len(out), len(out) + len(theirs)))
+        out += [dataclasses.replace(s, group=s.group + offset) for s in theirs]
+        offset += n
+    return out, offset, mine
