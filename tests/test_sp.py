@@ -99,3 +99,19 @@ def test_sft_matches_without_sp_resumes_without_it_and_merges(toy_dir, tmp_path)
     out = shard_merge.merge(tmp_path / "sp2" / "global_step_2", tmp_path / "hf")
     assert (out / "config.json").is_file()
     assert shard_merge.verify(tmp_path / "sp2" / "global_step_2", out) < 1e-5
+
+
+def test_verl_keys_set_the_sp_degree():
+    """verl's three spellings land on the fsdp_config field that sp.setup reads."""
+    import config
+    import grpo
+    import ppo
+    import sft
+
+    cfg = config.parse(sft.SFTConfig, ["ulysses_sequence_parallel_size=2"])
+    assert cfg.model.fsdp_config.ulysses_sequence_parallel_size == 2
+    cfg = config.parse(grpo.GRPOConfig, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"])
+    assert cfg.model.fsdp_config.ulysses_sequence_parallel_size == 4
+    cfg = config.parse(ppo.PPOConfig, ["critic.ulysses_sequence_parallel_size=2"])
+    assert cfg.critic.model.fsdp_config.ulysses_sequence_parallel_size == 2
+    assert cfg.model.fsdp_config.ulysses_sequence_parallel_size == 1
