@@ -312,7 +312,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          until the update's first optimizer step (sync, gen, old_logprob)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
-    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace
+    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace;
+                         with Ulysses SP (fsdp_config.ulysses_sequence_parallel_size) a rank holds 1/SP of a
+                         micro-batch's tokens, so its activations and logits are divided by SP (sp.py)
     old_logprob          + inference logits + kernel workspace (no activations are kept without grad)
     gen, sync            + the engine's budget rollout.gpu_memory_utilization x device memory (weights, KV
                          cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES
@@ -332,7 +334,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     adam = 0.0 if fs.cpu_offload else 8 * P / W
     grads = 0.0 if fs.cpu_offload else 4 * P / W
     unsharded = 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params
-    T = _micro_batch_tokens(cfg)
+    T = _micro_batch_tokens(cfg) / getattr(fs, "ulysses_sequence_parallel_size", 1)  # this rank's share
     ckpt = cfg.model.enable_gradient_checkpointing
     engine = cfg.rollout.gpu_memory_utilization * device_total if device_total else 0.0
     if getattr(cfg.rollout, "name", "vllm") == "hf":
@@ -370,6 +372,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         if critic.use_dynamic_bsz
         else critic.ppo_micro_batch_size_per_gpu * longest
     )
+    Tc /= getattr(critic.model.fsdp_config, "ulysses_sequence_parallel_size", 1)
     c_ckpt = critic.model.enable_gradient_checkpointing
     phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
         "optimizer": rollout_adam,
@@ -404,7 +407,7 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "old_logprob": f"lower --{budget}",
         "update": f"lower --{budget}, or turn on --model.enable_gradient_checkpointing "
-        "(or --model.fsdp_config.cpu_offload)",
+        "(or --model.fsdp_config.cpu_offload, or raise --model.fsdp_config.ulysses_sequence_parallel_size)",
         "sync": "lower --rollout.gpu_memory_utilization or turn on "
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "update_critic": "lower --critic.ppo_micro_batch_size_per_gpu (or --critic.ppo_max_token_len_per_gpu "

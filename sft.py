@@ -213,7 +213,8 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
     """trainer.debug's memory plan of one training step on one rank, as text (perf.Plan): fp32 parameters
     (4 bytes each), gradients (4) and AdamW state (8) of the trainable ones, sharded over the ranks (none on the
     device with model.fsdp_config.cpu_offload); two layers gathered in bf16; activations, logits and the logprob
-    kernel's workspace of the largest micro-batch (perf.py's per-token estimates); the CUDA context."""
+    kernel's workspace of the largest micro-batch (perf.py's per-token estimates; 1/SP of its tokens under
+    Ulysses SP); the CUDA context."""
     try:
         shape = perf.ModelShape.from_config(model.config)
     except AttributeError as e:
@@ -225,7 +226,7 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
         max(cfg.data.max_token_len_per_gpu, cfg.data.max_length)
         if cfg.data.use_dynamic_bsz
         else cfg.data.micro_batch_size_per_gpu * cfg.data.max_length
-    )
+    ) / cfg.model.fsdp_config.ulysses_sequence_parallel_size  # with SP a rank holds 1/SP of them (sp.py)
     step = {
         "cuda context": perf.CUDA_CONTEXT_BYTES,
         "params": on_device * 4 * total / world_size,

@@ -115,3 +115,22 @@ def test_verl_keys_set_the_sp_degree():
     cfg = config.parse(ppo.PPOConfig, ["critic.ulysses_sequence_parallel_size=2"])
     assert cfg.critic.model.fsdp_config.ulysses_sequence_parallel_size == 2
     assert cfg.model.fsdp_config.ulysses_sequence_parallel_size == 1
+
+
+def test_plan_divides_activations_and_logits_by_sp(tmp_path):
+    """--trainer.plan: with SP=4 a rank holds a quarter of a micro-batch's tokens; the states do not change."""
+    from dataclasses import replace
+
+    from test_perf import QWEN05, Qwen2Config, _plan_cfg
+
+    import fsdp
+    import perf
+
+    Qwen2Config(**QWEN05).save_pretrained(tmp_path)
+    cfg = _plan_cfg(str(tmp_path))
+    sp4 = _plan_cfg(str(tmp_path))
+    sp4.model = replace(cfg.model, fsdp_config=fsdp.FSDPConfig(ulysses_sequence_parallel_size=4))
+    one = perf.plan(cfg, world_size=4, device_total=140 * 2**30).phases["update"]
+    four = perf.plan(sp4, world_size=4, device_total=140 * 2**30).phases["update"]
+    assert four["activations"] == one["activations"] / 4 and four["logits"] == one["logits"] / 4
+    assert four["optimizer"] == one["optimizer"] and four["kernel"] == one["kernel"]
