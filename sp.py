@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
@@ -75,7 +76,8 @@ def setup(model: nn.Module, size: int, device_type: str, packed: bool) -> nn.Mod
     """Puts `model` under SP of degree `size` (collective); a no-op for size 1. Returns the model.
 
     Checks the head counts and the layout (`packed`: use_remove_padding, which SP needs), switches the model's
-    attention to ULYSSES, and records the SP group on every module (the attention function reads it).
+    attention to ULYSSES (saying on stderr when that replaces an attn_implementation other than sdpa), and
+    records the SP group on every module (the attention function reads it).
     """
     if size == 1:
         return model
@@ -84,6 +86,13 @@ def setup(model: nn.Module, size: int, device_type: str, packed: bool) -> nn.Mod
             "ulysses_sequence_parallel_size > 1 needs packed batches: set model.use_remove_padding=true"
         )
     check_heads(model.config, size)
+    impl = model.config._attn_implementation
+    if impl not in ("sdpa", attention.VARLEN) and dist.get_rank() == 0:
+        print(
+            f"ignored: attn_implementation={impl} (sequence parallelism runs flatrl's varlen attention between "
+            "its all-to-alls)",
+            file=sys.stderr,
+        )
     group = fsdp.sp_mesh(device_type, size).get_group("sp")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
