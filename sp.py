@@ -19,6 +19,9 @@ Gradients: every rank of a group computes the same loss; the gather's backward k
 all-to-alls route the rest, so the group's parameter gradients sum to the micro-batch's gradient. FSDP averages
 over all ranks, so trainers keep `loss * world_size` and count each group's tokens once (`all_reduce(x) / SP`).
 
+A model under SP run any other way (e.g. `model(**data.model_inputs(batch))` on whole sequences) raises ValueError
+in its attention instead of mixing the ranks' batches.
+
 The patch is an attention function registered with transformers (ULYSSES), not a fork of a model file: any model
 whose attention layers call `ALL_ATTENTION_FUNCTIONS` takes it. Query heads must divide by SP; KV heads that do not
 are repeated up to lcm(KV heads, SP) (which must divide the query heads), as verl's repeat_kv does.
@@ -42,6 +45,9 @@ import losses
 
 ULYSSES = "flatrl_ulysses"
 """attn_implementation of a model under sequence parallelism: all-to-all, attention.varlen, all-to-all."""
+_row_tokens: int | None = None
+"""The padded row length of the last batch shard_batch cut, which the attention checks its inputs against (kept
+after the forward: gradient checkpointing reruns the attention in the backward)."""
 
 
 def check_heads(model_config: Any, size: int) -> None:
@@ -166,8 +172,13 @@ def ulysses_attention_forward(
     rank's n tokens; kwargs' cu_seq_lens_q / max_length_q describe all P * n tokens. Returns ([1, n, Hq, D], None)."""
     group = module._flatrl_sp_group
     P = dist.get_world_size(group)
-    if attention_mask is not None or query.shape[0] != 1 or kwargs.get("cu_seq_lens_q") is None:
-        raise ValueError("sequence parallelism runs packed batches only (sp.forward_logprobs builds them)")
+    # a caller that ran the model on whole sequences (not through forward_logprobs / forward_logits) would
+    # otherwise mix the ranks' different batches
+    if attention_mask is not None or _row_tokens != P * query.shape[2]:
+        raise ValueError(
+            "this model runs under sequence parallelism: call it through sp.forward_logprobs or "
+            "sp.forward_logits (its inputs must be a packed batch cut by sp.shard_batch)"
+        )
     q, k, v = query[0], key[0], value[0]  # [H, n, D]
     if k.shape[0] % P:  # repeat KV heads up to lcm(Hkv, P); grouping is kept (head j -> j*r .. j*r + r - 1)
         r = math.lcm(k.shape[0], P) // k.shape[0]
@@ -210,6 +221,7 @@ def shard_batch(
     position_ids [1, n], cu_seqlens [S + 1 or S + 2] and max_seqlen of the whole padded row; the slice of this
     rank in the padded row; N).
     """
+    global _row_tokens
     if "cu_seqlens" not in batch:
         raise ValueError("sequence parallelism needs packed batches: set model.use_remove_padding=true")
     P, r = dist.get_world_size(group), dist.get_rank(group)
@@ -223,6 +235,7 @@ def shard_batch(
         cu = torch.cat([cu, cu.new_tensor([N + pad])])
         longest = max(longest, pad)
     n = (N + pad) // P
+    _row_tokens = N + pad
     mine = slice(r * n, (r + 1) * n)
     local = dict(input_ids=ids[:, mine], position_ids=pos[:, mine], cu_seqlens=cu, max_seqlen=longest)
     return local, mine, N

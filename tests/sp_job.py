@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import actor  # noqa: E402
+import data  # noqa: E402
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
 import optim  # noqa: E402
@@ -88,6 +89,12 @@ def main() -> None:
         "values_sum": values_sum,
         "max_tokens": fsdp.all_reduce(max(seen), "max"),
     }
+    if sp_size > 1:  # a forward that bypasses sp.py on whole sequences is refused, not run on mixed batches
+        whole = data.pack_batch([[5, 6, 7]], [[0, 1, 1]], mask_dtype=None)
+        try:
+            policy(**data.model_inputs({k: v.to(d.device) for k, v in whole.items()}))
+        except ValueError as e:
+            metrics["direct_call_refused"] = "sp.forward_logprobs" in str(e)
     if d.is_main:
         with open(out_path, "w") as f:
             json.dump(metrics, f)

@@ -64,6 +64,7 @@ def test_grpo_update_and_critic_match_without_sp(toy_dir, tmp_path):
         got = _rl(toy_dir, tmp_path, nproc, 2)
         _close(got, ref, keys)
         assert got["max_tokens"] < 100, got  # each rank runs half of its micro-batch's packed row
+        assert got["direct_call_refused"] is True, got
 
 
 @pytest.mark.slow
