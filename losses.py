@@ -1,5 +1,6 @@
-"""Token-level RL math shared by grpo.py and ppo.py, and the chunked logprob/entropy kernels of every trainer. The
-objectives themselves (PPO-clip, the value loss) live in grpo.py and ppo.py; these are their building blocks.
+"""Token-level RL math shared by grpo.py and ppo.py, the preference losses of dpo.py, and the chunked
+logprob/entropy kernels of every trainer. The RL objectives themselves (PPO-clip, the value loss) live in grpo.py and
+ppo.py; these are their building blocks.
 
 Plain torch, no torch.distributed (data.py only for the model's input layout). Tensors are [B, T] (B sequences, T response positions),
 `mask` (float or bool) marks response tokens; the kernels take packed rows [N, V]. Definitions match verl's
@@ -7,6 +8,8 @@ verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py on the same in
 
 - agg_loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO).
 - kl_penalty: k1/k2/k3 estimators (http://joschu.net/blog/kl-approx.html), "+" suffix = straight-through.
+- dpo_sigmoid_loss, ipo_loss, simpo_loss, kto_loss: dpo.py's per-pair (KTO: per-row) losses on sequence
+  logprobs [P], one function per paper, TRL's formulas (trl/trainer/dpo_trainer.py, kto_trainer.py, cpo_trainer.py).
 - token_logprobs_and_entropy[_from_hidden]: label logprob and entropy per row, in row chunks through one
   autograd Function, so fp32 [N, V] (from hidden states: any [N, V] logits) is never held whole; the
   backward recomputes each chunk.
@@ -22,6 +25,7 @@ import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 import data
 
@@ -330,3 +334,93 @@ def forward_logprobs(
     with torch.no_grad():
         raw = token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
     return lp, ent, raw
+
+
+# ------------------------------------------------------------------------------ preference losses (dpo.py)
+# Inputs are sequence logprobs [P] (P pairs, or KTO rows): the sum of the completion's token logprobs (the IPO and
+# SimPO recipes pass the mean instead: dpo.py's `length_normalised`). Each returns the per-pair loss [P]; dpo.py
+# takes the mean over the global batch.
+
+
+def dpo_sigmoid_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, arXiv:2305.18290, eq. 7), with conservative DPO's label smoothing (cDPO,
+    Mitchell 2023: the label is flipped with probability eps):
+
+        h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))
+        loss = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+
+    Args: logprobs [P] of the chosen (y_w) and rejected (y_l) completions under the policy and the reference;
+    beta the strength of the implicit KL constraint; label_smoothing eps in [0, 0.5).
+    Returns: loss [P]."""
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # [P]
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def ipo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """IPO (Azar et al. 2023, arXiv:2310.12036, eq. 17), a squared loss that regresses the log-ratio margin to
+    1 / (2 beta) (beta is the paper's tau) instead of pushing it to infinity:
+
+        h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))
+        loss = (h - 1 / (2 beta))^2
+
+    TRL feeds it per-token mean logprobs, and so does dpo.py (the paper's are sums). Returns: loss [P]."""
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)  # [P]
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """SimPO (Meng et al. 2024, arXiv:2405.14734, eq. 6), reference-free, on length-normalised logprobs
+    (chosen_logps = log pi(y_w|x) / |y_w|) with a target margin gamma; label smoothing as cDPO (TRL's CPO trainer):
+
+        h = beta * (chosen_logps - rejected_logps) - gamma
+        loss = -(1 - eps) log sigmoid(h) - eps log sigmoid(-h)
+
+    Returns: loss [P]."""
+    h = beta * (chosen_logps - rejected_logps) - gamma  # [P]
+    return -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+
+
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, arXiv:2402.01306, eq. 8) on unpaired rows:
+
+        r = log pi(y|x) - log pi_ref(y|x)
+        z0 = max(0, KL estimate)              (given: `kl`, no gradient flows through it)
+        v = sigmoid(beta (r - z0)) if y is desirable, sigmoid(beta (z0 - r)) if undesirable
+        loss = lambda_y (1 - v)               (lambda_D = desirable_weight, lambda_U = undesirable_weight)
+
+    The KL estimate (the paper's section 4.1, TRL's KTOTrainer) is the batch mean of log pi(y'|x) -
+    log pi_ref(y'|x) over mismatched pairs: each prompt with another row's completion; dpo.py computes it over
+    the global batch and clamps it at 0.
+    Args: logps, ref_logps [B]; desirable [B] bool (the row's label); kl a scalar. Returns: loss [B]."""
+    r = logps - ref_logps  # [B]
+    z0 = torch.as_tensor(kl, dtype=r.dtype, device=r.device).detach().clamp(min=0)
+    good = desirable_weight * (1 - torch.sigmoid(beta * (r - z0)))  # [B]
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r)))  # [B]
+    return torch.where(desirable, good, bad)

@@ -15,6 +15,9 @@ writes
                                   for a `direct_frac` share of the rows the bare answer line `#### N`).
     DIR/rl/{train,val}.parquet    verl's RL schema: data_source "flatrl/toy", prompt (chat messages), ability,
                                   reward_model {style: "rule", ground_truth}, extra_info {split, index}.
+    DIR/dpo/{train,val}.parquet   preference pairs for dpo.py (TRL's layout): string columns `prompt`, `chosen`
+                                  (the worked solution) and `rejected` (the same text with a wrong `#### N`:
+                                  `make_pair`), on the SFT problems.
 
 The task is two-digit column addition and subtraction (12,195 problems, 200 held out for val), e.g.
 
@@ -77,7 +80,7 @@ class ToyConfig:
     """Where to write the toy model and data, and how much data."""
 
     out: str
-    """Output folder; gets model/, sft/ and rl/ subfolders."""
+    """Output folder; gets model/, sft/, rl/ and dpo/ subfolders."""
     seed: int = 0
     """Seeds the weight init and the problem draw; the same seed gives byte-identical files."""
     n_train: int = 8000
@@ -142,6 +145,22 @@ def solve(problem: Problem) -> tuple[str, str]:
         carry = out
     answer = str(answer_of(problem))
     return "\n".join(lines) + f"\n#### {answer}", answer
+
+
+def make_pair(problem: Problem, rng: random.Random) -> tuple[str, str]:
+    """(chosen, rejected) responses to `problem` for preference training, worked the same way: the right worked
+    solution, and the same text with one digit of its `#### N` line off by one (85 -> 84, 86, 75 or 95; never a
+    leading 0). The columns are right in both, so the pair teaches reading the answer off the work, which is what
+    the toy SFT model gets wrong most (e.g. "3+8=11 ... #### 115" for 38 + 6, measured: tests/test_dpo_e2e.py)."""
+    chosen, answer = solve(problem)
+    column = rng.randrange(len(answer))
+    for delta in rng.sample((-1, 1), 2):
+        digit = (int(answer[column]) + delta) % 10
+        if column == 0 and digit == 0 and len(answer) > 1:
+            continue
+        wrong = answer[:column] + str(digit) + answer[column + 1 :]
+        return chosen, chosen.removesuffix(answer) + wrong
+    raise AssertionError("unreachable: a leading digit moves to 0 in one direction only")
 
 
 def format_prompt(problem: Problem) -> str:
@@ -268,6 +287,7 @@ def _write(rows: list[dict], schema: pa.Schema, path: Path) -> None:
 
 
 SFT_SCHEMA = pa.schema([("prompt", pa.string()), ("response", pa.string())])
+PAIR_SCHEMA = pa.schema([("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string())])
 RL_SCHEMA = pa.schema(
     [
         ("data_source", pa.string()),
@@ -289,7 +309,7 @@ def build(
     hidden_size: int = ToyConfig.hidden_size,
     num_layers: int = ToyConfig.num_layers,
 ) -> Path:
-    """Write DIR/model, DIR/sft/{train,val}.parquet and DIR/rl/{train,val}.parquet (see module docstring).
+    """Write DIR/model, DIR/{sft,rl,dpo}/{train,val}.parquet (see module docstring).
 
     direct_frac: share of SFT rows (train and val) whose response is the bare answer line `#### N`.
 
@@ -332,7 +352,83 @@ def build(
                     }
                 )
         _write(rows, SFT_SCHEMA if name.startswith("sft") else RL_SCHEMA, out / f"{name}.parquet")
+    slips = random.Random(f"{seed}-slip")  # its own stream too: the other files do not depend on the pairs
+    for split, problems in (("train", sft_train), ("val", val)):
+        pairs = [(format_prompt(p), *make_pair(p, slips)) for p in problems]
+        rows = [dict(zip(PAIR_SCHEMA.names, pair, strict=True)) for pair in pairs]
+        _write(rows, PAIR_SCHEMA, out / f"dpo/{split}.parquet")
     return out
+
+
+def generate(
+    model_dir: str | Path, prompts: list[str], n: int = 1, temperature: float = 0.0, seed: int = 0
+) -> list[list[str]]:
+    """`n` responses to each prompt (one user turn through the chat template) from the model in `model_dir`,
+    greedy at temperature 0, else sampled (seeded), at most 32 new tokens (every right answer fits in 26)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+    torch.manual_seed(seed)
+    out: list[list[str]] = []
+    for start in range(0, len(prompts), 128):
+        chats = [[{"role": "user", "content": p}] for p in prompts[start : start + 128]]
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            ids = model.generate(
+                **enc,
+                max_new_tokens=32,
+                num_return_sequences=n,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                do_sample=bool(temperature),
+                **sampling,
+            )
+        text = tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out += [text[i : i + n] for i in range(0, len(text), n)]
+    return out
+
+
+def is_right(response: str, problem: Problem) -> bool:
+    """Whether the response's last line is `#### <the answer>` (the strict GSM8K format the val reward reads)."""
+    return response.strip().rsplit("\n", 1)[-1] == f"#### {answer_of(problem)}"
+
+
+def greedy_accuracy(model_dir: str | Path, problems: list[Problem]) -> float:
+    """Share of `problems` the model answers right, greedy."""
+    responses = generate(model_dir, [format_prompt(p) for p in problems])
+    return sum(is_right(r[0], p) for r, p in zip(responses, problems, strict=True)) / len(problems)
+
+
+def policy_pairs(
+    model_dir: str | Path, problems: list[Problem], samples: int = 4, seed: int = 0
+) -> list[dict[str, str]]:
+    """Preference pairs written by the model itself: `samples` responses to each problem at temperature 1; the
+    first right one is `chosen`, the first wrong one `rejected`. A problem whose samples are all right or all wrong
+    gives no pair. From configs/sft_toy.yaml's SFT model, which mostly answers in one (usually wrong) line, the
+    right samples are mostly worked solutions: the pairs prefer working the columns out, as GRPO's reward does."""
+    responses = generate(model_dir, [format_prompt(p) for p in problems], samples, 1.0, seed)
+    rows = []
+    for problem, rs in zip(problems, responses, strict=True):
+        right = [r for r in rs if is_right(r, problem)]
+        wrong = [r for r in rs if not is_right(r, problem) and r.strip()]
+        if right and wrong:
+            rows.append({"prompt": format_prompt(problem), "chosen": right[0], "rejected": wrong[0]})
+    return rows
+
+
+def write_policy_pairs(
+    model_dir: str | Path, out: str | Path, n_train: int = 1024, n_val: int = 200, seed: int = 0
+) -> Path:
+    """OUT/dpo_policy/{train,val}.parquet: policy_pairs on the first n_train SFT train problems and on the n_val
+    val problems of `build(out, seed)` (held out from every train split). Returns the folder."""
+    train, _, val = split_problems(seed, max(n_train, ToyConfig.n_train), n_val)
+    folder = Path(out) / "dpo_policy"
+    for split, problems in (("train", train[:n_train]), ("val", val)):
+        _write(policy_pairs(model_dir, problems, seed=seed), PAIR_SCHEMA, folder / f"{split}.parquet")
+    return folder
 
 
 def main(cfg: ToyConfig) -> Path:

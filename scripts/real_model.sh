@@ -20,6 +20,10 @@
 #   ppo        ppo.py, configs/ppo_gsm8k_smollm2.yaml from sft_model -> RUNS/seedS/ppo
 #   arith      grpo.py, configs/grpo_arith_words_smollm2.yaml from RUNS/model -> RUNS/seedS/arith (its validation
 #              before the first step is the base model on the word-arithmetic test set)
+#   trl        scripts/trl_grpo.py: TRL's GRPOTrainer on the arith stage's config and seed (the learning-parity peer)
+#              -> RUNS/seedS/trl (metrics.jsonl, model/), then grpo.py --trainer.val_only on its model ->
+#              RUNS/seedS/trl_eval: the same greedy evaluation on the same 500 problems. TRL_FLAGS: more flags
+#              (CPU: TRL_FLAGS="--hf-generate --per-device-batch 4")
 #   summary    scripts/real_model_summary.py -> RUNS/summary.json: every accuracy and stage wall-clock (RUNS/wall_s.txt,
 #              RUNS/seedS/wall_s.txt), the seeds' spread; with RESULTS set, the summary, the clocks and every run's
 #              metrics.jsonl are copied there (small files: what a device call brings back)
@@ -120,13 +124,23 @@ for S in $SEEDS; do
       --model.path "$MODEL" --data.train_files "$WORDS/train.parquet" --data.val_files "$WORDS/test.parquet" \
       --trainer.default_local_dir "$RUN/arith" "${SEED_FLAGS[@]}" "${GRPO_FLAGS[@]}"
   fi
+  if has trl; then  # the learning-parity peer: TRL's GRPOTrainer on the arith run's config, then the same evaluation
+    rm -rf "$RUN/trl" "$RUN/trl_eval"
+    stage trl "$RUN/wall_s.txt" "${TORCHRUN[@]}" scripts/trl_grpo.py --config configs/grpo_arith_words_smollm2.yaml \
+      --model.path "$MODEL" --data.train_files "$WORDS/train.parquet" --data.val_files "$WORDS/test.parquet" \
+      --trainer.default_local_dir "$RUN/trl" "${SEED_FLAGS[@]}" "${GRPO_FLAGS[@]}" ${TRL_FLAGS:-}
+    stage trl_eval "$RUN/wall_s.txt" "${TORCHRUN[@]}" grpo.py --config configs/grpo_arith_words_smollm2.yaml \
+      --trainer.val_only --model.path "$RUN/trl/model" --data.train_files "$WORDS/train.parquet" \
+      --data.val_files "$WORDS/test.parquet" --trainer.default_local_dir "$RUN/trl_eval" \
+      --trainer.logger console jsonl "${EVAL_FLAGS[@]}"
+  fi
 done
 if has summary; then
   $PY scripts/real_model_summary.py "$RUNS"
   if [ -n "${RESULTS:-}" ]; then  # the small files, without checkpoints or models
     dest=$(realpath -m "$RESULTS") && mkdir -p "$dest"
     (cd "$RUNS" && find . \( -name metrics.jsonl -o -name wall_s.txt -o -name summary.json -o -name config.yaml \
-      -o -path "*/val_generations/*.jsonl" \) -not -path "*/global_step_*" -exec cp --parents {} "$dest"/ \;)
+      -o -name wall_s.json -o -path "*/val_generations/*.jsonl" \) -not -path "*/global_step_*" -exec cp --parents {} "$dest"/ \;)
     echo "copied the summary, the clocks and the metrics to $dest"
   fi
 fi

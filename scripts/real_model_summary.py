@@ -7,7 +7,8 @@ Accuracies are greedy val/reward/mean (strict "#### N"):
     gsm8k.seeds.S.acc_after_sft   the GRPO run's validation before its first step (the merged SFT model)
     gsm8k.seeds.S.acc_after_grpo  / acc_after_ppo: the last validation of each run
     arith_words.seeds.S.acc_base / acc_after_grpo: the arith run's first and last validation (it starts from the
-                               base model)
+                               base model); trl_acc_after_grpo: the TRL peer's model (stage trl), evaluated the same
+                               way; {flatrl,trl}_train_reward_first5 / _last5, _step_s_median, _steps_s_sum
 and per seed the SFT validation loss before and after, each run's steps, and every stage's wall-clock seconds
 (OUT/wall_s.txt, OUT/seedS/wall_s.txt: "NAME SECONDS" lines). With two seeds or more, each accuracy's mean and
 spread (max - min). A stage that did not run gives null.
@@ -75,8 +76,26 @@ def seed_summary(folder: Path) -> tuple[dict, dict]:
         "acc_base": before(arith),
         "acc_after_grpo": after(arith),
         "steps": steps(folder / "arith"),
+        **train_curve(folder / "arith", "flatrl"),
     }
+    if (folder / "trl" / "metrics.jsonl").is_file():  # the TRL peer of the arith run (stage trl)
+        words |= {"trl_acc_after_grpo": before(val(folder / "trl_eval")), "trl_steps": steps(folder / "trl")}
+        words |= train_curve(folder / "trl", "trl")
     return gsm8k, words
+
+
+def train_curve(run: Path, who: str) -> dict:
+    """Train reward/mean over the first and the last 5 steps, and the median step seconds after the first."""
+    rows = [r for r in log.read_metrics(run) if r.get("reward/mean") is not None] if run.is_dir() else []
+    if not rows:
+        return {}
+    times = [r["timing_s/step"] for r in rows[1:] if r.get("timing_s/step") is not None]
+    return {
+        f"{who}_train_reward_first5": statistics.fmean(r["reward/mean"] for r in rows[:5]),
+        f"{who}_train_reward_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:]),
+        f"{who}_step_s_median": statistics.median(times) if times else None,
+        f"{who}_steps_s_sum": sum(r.get("timing_s/step") or 0 for r in rows),
+    }
 
 
 def spread(seeds: dict[str, dict], keys: tuple[str, ...]) -> dict:
@@ -113,7 +132,7 @@ def main(out: Path) -> dict:
         "arith_words": {
             "n_test": _rows(out / "data" / "arith_words" / "test.parquet"),
             "seeds": words,
-            "over_seeds": spread(words, ("acc_base", "acc_after_grpo")),
+            "over_seeds": spread(words, ("acc_base", "acc_after_grpo", "trl_acc_after_grpo")),
         },
         "wall_s": {"once": clock(out / "wall_s.txt"), **{p.name: clock(p / "wall_s.txt") for p in seeds}},
     }

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 import config
+import dpo
 import grpo
 import ppo
 import sft
@@ -20,6 +21,9 @@ def test_config_loads(path):
     elif path.name.startswith("ppo"):
         cfg = config.parse(ppo.PPOConfig, ["--config", str(path)])
         assert cfg.data.max_response_length > 0 and cfg.critic.optim.lr > 0
+    elif path.name.startswith("dpo"):
+        cfg = config.parse(dpo.DPOConfig, ["--config", str(path)])
+        assert cfg.data.max_length > 0 and cfg.algorithm.beta > 0
     else:
         cfg = config.parse(grpo.GRPOConfig, ["--config", str(path)])
         assert cfg.data.max_response_length > 0

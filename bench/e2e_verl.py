@@ -1,0 +1,347 @@
+"""bench_e2e.py's verl peer: verl 0.9.1's `python -m verl.trainer.main_ppo` with GRPO, in a subprocess whose
+PYTHONPATH starts with the verl payload (bench/build_verl_payload.sh, unpacked on the device by
+bench/verl_device_install.sh into /tmp/verl_site), so that verl gets the transformers it pins (<5.11) while
+flatrl and TRL keep the device's.
+
+The run matches flatrl's (bench_e2e.py): the same random-init model folder, prompts of the same letters, batch
+(`--num-prompts` x `--n`), lengths, lr 1e-6, no KL, no entropy term, temperature 1, `ignore_eos`, vLLM memory share
+and reward (bench/e2e_reward.py's compute_score, verl's signature). Elsewhere verl keeps its defaults (the
+command goes into the result): FSDP2 with fp32 master weights and bf16 compute, gradient checkpointing on, dynamic
+micro-batches of `--token-budget` tokens, vLLM max_num_seqs 256 and max_num_batched_tokens 8192, one GPU with the
+hybrid engine (actor and vLLM colocated; the v1 "sync" trainer). One default changes: sdpa attention over padded
+micro-batches instead of flash-attention over packed ones (the device has no flash-attn; overrides() says why).
+verl reads the prompt column as chat messages and always applies the tokenizer's chat template, so its parquet
+holds [{"role": "user", "content": letters}] and the template writes the content alone: the prompt is the same
+`--prompt-len` tokens that flatrl sends with `apply_chat_template: false`.
+The real model's shape (`--model smollm2`: prompts of words, bench_e2e.REAL_LORA) adds LoRA as verl's GRPO-LoRA
+examples set it (`model.lora_rank`, `lora_alpha`, `target_modules`, and `rollout.load_format=safetensors`, so vLLM
+starts from the folder's weights and each sync sends the adapter alone; verl serves it through vLLM's LoRA path,
+unmerged, as its default `model.lora.merge=False` does). Gradient checkpointing is on in every shape (verl's
+default, stated in the command).
+
+Figures from verl's own metrics (its file logger, `trainer.logger=[console,file]`, one JSON line a step):
+`timing_s/step` per step, the phases `timing_s/*` (gen, reward, old_log_prob, adv, update_actor,
+update_weights), `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb` of the actor process. verl
+logs no device-wide figure, so the device's used memory (total minus free, all processes) is sampled here
+every 0.25 s: `peak_device_used_gib` over the training steps (from the first step's start to the last step's
+log line), `peak_device_used_run_gib` over the whole subprocess (start-up, vLLM's profiling and graph capture
+included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REWARD = BENCH / "e2e_reward.py"
+# The chat template verl applies to every prompt: the message content alone, no role markers, no generation
+# prompt (flatrl's `apply_chat_template: false`). `m.content` rather than `m['content']`: no quotes to escape
+# inside a Hydra override.
+RAW_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+MODULES = (
+    "verl",
+    "ray",
+    "transfer_queue",
+    "tensordict",
+    "torchdata",
+    "hydra",
+)  # what `import verl ...` needs
+
+
+def write_prompts(flatrl_parquet: str, path: Path) -> Path:
+    """flatrl's prompt parquet rewritten in verl's schema: each prompt string becomes one user message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(flatrl_parquet).to_pylist()
+    for r in rows:
+        r["prompt"] = [{"role": "user", "content": r["prompt"]}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
+    """The Hydra overrides of verl's ppo_trainer.yaml for the run (see the module docstring), then
+    `--verl-override` as given (last, so they win)."""
+    rollout = "actor_rollout_ref.rollout"
+    actor = "actor_rollout_ref.actor"
+    return [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={data}",
+        f"data.val_files={data}",  # built even when validation never runs
+        f"data.train_batch_size={args.num_prompts}",
+        f"data.max_prompt_length={args.prompt_len}",
+        f"data.max_response_length={args.response_len}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.shuffle=False",
+        f"actor_rollout_ref.model.path={model}",
+        f'actor_rollout_ref.model.custom_chat_template="{RAW_TEMPLATE}"',
+        # verl asks transformers for flash_attention_2, and the device has no flash-attn (PyPI has only its
+        # sdist). sdpa instead, and padded micro-batches: transformers 5.9's sdpa lets the sequences of verl's
+        # packed (remove-padding) row attend to each other (logits off by 0.37 on a tiny Qwen2, CPU). With
+        # ignore_eos every sequence is prompt + response tokens long, so padding adds no tokens here.
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        *lora_overrides(args),
+        f"{actor}.strategy=fsdp2",
+        f"{actor}.optim.lr=1e-6",
+        f"{actor}.ppo_mini_batch_size={args.num_prompts}",
+        f"{actor}.use_dynamic_bsz=True",
+        f"{actor}.ppo_max_token_len_per_gpu={args.token_budget}",
+        f"{actor}.use_kl_loss=False",
+        f"{actor}.entropy_coeff=0",
+        f"{actor}.ppo_epochs=1",
+        f"{rollout}.name=vllm",
+        f"{rollout}.n={args.n}",
+        f"{rollout}.tensor_model_parallel_size=1",
+        f"{rollout}.gpu_memory_utilization={args.gpu_memory_utilization}",
+        f"{rollout}.ignore_eos=True",
+        f"{rollout}.temperature=1.0",
+        f"reward.custom_reward_function.path={REWARD}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={args.verl_steps}",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=flatrl_bench",
+        "trainer.experiment_name=verl_e2e",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}/checkpoints",
+        f"hydra.run.dir={run_dir}/hydra",
+        *args.verl_override,
+    ]
+
+
+def lora_overrides(args) -> list[str]:
+    """verl's LoRA keys for the shape's LoRA (`args.lora`, None for full fine-tuning)."""
+    if not args.lora:
+        return []
+    return [
+        f"actor_rollout_ref.model.lora_rank={args.lora['rank']}",
+        f"actor_rollout_ref.model.lora_alpha={args.lora['alpha']}",
+        f"actor_rollout_ref.model.target_modules={args.lora['target_modules']}",
+        # As verl's GRPO-LoRA examples: vLLM loads the base weights from the folder, so no base sync is needed.
+        "actor_rollout_ref.rollout.load_format=safetensors",
+    ]
+
+
+def env(args, run_dir: str) -> dict[str, str]:
+    """The verl subprocess's environment: the payload first on PYTHONPATH (Ray's workers inherit it), verl's
+    file logger at `run_dir`/metrics.jsonl, and vLLM's engine in its own process as verl runs it."""
+    e = dict(os.environ)
+    # Not the repo root: flatrl's top-level modules (data, log, rollout, ...) must not shadow anything of verl's.
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (args.verl_site, e.get("PYTHONPATH")) if p)
+    e["VERL_FILE_LOGGER_PATH"] = f"{run_dir}/metrics.jsonl"
+    e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # flatrl's in-process setting; verl's server runs its own
+    e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def parse_metrics(lines: list[str]) -> list[dict]:
+    """verl's per-step metrics, from file-logger lines (`{"step": n, "data": {...}}`) or console lines
+    (`step:n - key:value - ...`, possibly behind Ray's `(TaskRunner pid=..)` prefix); one dict per step with
+    "step", in step order, the last line of a step winning."""
+    rows: dict[int, dict] = {}
+    number = re.compile(r"^(?:np\.\w+\()?(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)\)?$")
+    for line in lines:
+        line = line.strip()
+        if line.startswith("{"):
+            d = json.loads(line)
+            rows[int(d["step"])] = {"step": int(d["step"])} | d["data"]
+            continue
+        m = re.search(r"step:(\d+) - (.*)$", line)
+        if not m:
+            continue
+        row = {"step": int(m.group(1))}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            v = number.match(value.strip())
+            if key and v:
+                row[key] = float(v.group(1))
+        rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Step times (median after the first), the phases' medians over the same steps, verl's memory figures."""
+    rows = [r for r in rows if "timing_s/step" in r]
+    if not rows:
+        raise ValueError("no verl step has timing_s/step")
+    steps = [r["timing_s/step"] for r in rows]
+    later = rows[1:] or rows
+    phases = {
+        k.removeprefix("timing_s/"): statistics.median(r.get(k, 0.0) for r in later)
+        for k in rows[-1]
+        if k.startswith("timing_s/") and k != "timing_s/step"
+    }
+    peak = lambda key: max((r[key] for r in rows if r.get(key) is not None), default=None)  # noqa: E731
+    return {
+        "step_s": statistics.median(steps[1:] or steps),
+        "first_step_s": steps[0],
+        "steps_s": steps,
+        "phases_s": phases,
+        "peak_allocated_gib": peak("perf/max_memory_allocated_gb"),
+        "peak_reserved_gib": peak("perf/max_memory_reserved_gb"),
+        "mfu": statistics.median(r.get("perf/mfu/actor", 0.0) for r in later),
+        "response_length_mean": rows[-1].get("response_length/mean"),
+    }
+
+
+class DeviceWatch:
+    """Samples the device's used memory (total minus free, every process) every `period_s` in a thread, and the
+    time at which each line of verl's metrics file appears."""
+
+    def __init__(self, metrics: Path, period_s: float = 0.25) -> None:
+        self.metrics, self.period_s = metrics, period_s
+        self.samples: list[tuple[float, float]] = []  # (time, GiB used)
+        self.lines: list[float] = []  # time each metrics line was first seen
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        import torch
+
+        while not self.stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            now = time.perf_counter()
+            self.samples.append((now, (total - free) / 2**30))
+            if self.metrics.is_file():
+                n = self.metrics.read_bytes().count(b"\n")
+                self.lines += [now] * (n - len(self.lines))
+            self.stop.wait(self.period_s)
+
+    def __enter__(self) -> DeviceWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def peak(self, start: float = float("-inf"), end: float = float("inf")) -> float | None:
+        """The largest sample in [start, end], GiB."""
+        return max((gib for t, gib in self.samples if start <= t <= end), default=None)
+
+
+def check_prompts(args, model: str, data: str) -> str | None:
+    """None when verl's transformers, with RAW_TEMPLATE, renders every prompt of `data` to `--prompt-len`
+    tokens; else the reason (run in the verl environment: its transformers is not the parent's)."""
+    code = (
+        "import sys, pyarrow.parquet as pq\n"
+        "from transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1]); tok.chat_template = sys.argv[3]\n"
+        "lens = set()\n"
+        "for m in pq.read_table(sys.argv[2])['prompt'].to_pylist():\n"
+        "    ids = tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True)\n"
+        "    lens.add(len(ids['input_ids'] if hasattr(ids, 'keys') else ids))\n"
+        "import transformers; print(transformers.__version__, type(tok).__name__, sorted(lens))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, model, data, RAW_TEMPLATE],
+        env=env(args, str(Path(data).parent)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if p.returncode != 0:
+        return f"the prompt check failed in verl's environment: {p.stderr.strip()[-1500:]}"
+    version, cls, lens = p.stdout.split(maxsplit=2)
+    if json.loads(lens) != [args.prompt_len]:
+        return f"transformers {version} {cls} renders the bench prompts to {lens.strip()} tokens, not {args.prompt_len}"
+    return None
+
+
+def available(args) -> str | None:
+    """None when verl can run here; else why not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA: verl's vLLM rollout and FSDP engine run on GPUs"
+    p = subprocess.run(
+        [sys.executable, "-c", f"import {', '.join(MODULES)}"],
+        env=env(args, "/tmp"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if p.returncode != 0:
+        return (
+            f"verl is not importable with {args.verl_site} first on PYTHONPATH (build it with "
+            f"bench/build_verl_payload.sh, unpack it with bench/verl_device_install.sh): {p.stderr.strip()[-500:]}"
+        )
+    return None
+
+
+def run(args, model: str, data: str, work: str) -> dict:
+    """verl's main_ppo in a subprocess; its metrics and the sampled device memory as bench_e2e's result dict."""
+    why = available(args)
+    if why:
+        return {"skipped": why}
+    run_dir = f"{work}/verl_run"
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    metrics = Path(run_dir, "metrics.jsonl")
+    metrics.unlink(missing_ok=True)
+    verl_data = str(write_prompts(data, Path(work, "prompts_verl.parquet")))
+    bad = check_prompts(args, model, verl_data)
+    if bad:
+        return {"error": bad}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, verl_data, run_dir)]
+    log = Path(run_dir, "console.log")
+    t0 = time.perf_counter()
+    with DeviceWatch(metrics) as watch, log.open("w") as out:
+        # Its own session, so that a timeout ends Ray's processes (raylet, workers, the vLLM server) too: left
+        # running, they would keep their GPU memory for the next call on the same machine.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=run_dir,
+            env=env(args, run_dir),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {args.timeout_s:.0f} s"
+    wall = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    lines = metrics.read_text().splitlines() if metrics.is_file() else text.splitlines()
+    rows = parse_metrics(lines)
+    if rc != 0 or not rows:
+        return {
+            "error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
+            "tail": text[-4000:],
+            "command": cmd,
+        }
+    out = summarise(rows)
+    first_start = watch.lines[0] - out["first_step_s"] if watch.lines else None
+    out |= {
+        # Without the metrics file (its path reaches verl through the environment Ray's workers inherit) the
+        # steps' window is unknown, and the whole run's peak stands in, marked as such.
+        "peak_device_used_gib": watch.peak(first_start, watch.lines[-1]) if watch.lines else watch.peak(),
+        "peak_device_used_window": "steps" if watch.lines else "run (no metrics file: parsed the console)",
+        "peak_device_used_run_gib": watch.peak(),
+        "process_wall_s": round(wall, 1),
+        "startup_s": round(first_start - t0, 1) if first_start else None,
+        "steps_logged": len(rows),
+        "command": cmd,
+    }
+    return out

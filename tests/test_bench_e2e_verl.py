@@ -1,0 +1,154 @@
+"""bench_e2e.py's verl peer without a GPU: verl's logged metrics (file-logger and console lines, as verl 0.9.1
+writes them) become step times, phases and peaks; the Hydra overrides carry the bench's settings; the ratios
+compare flatrl with each peer and with the lower peer's memory. Where verl's config tree is at hand
+(FLATRL_VERL_SITE, the unpacked payload), the overrides compose with it and validate as verl validates them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_e2e  # noqa: E402
+import e2e_verl  # noqa: E402
+
+
+def step(n: int, step_s: float, gen: float, update: float, alloc: float) -> dict:
+    """One step's metrics as verl's trainer logs them (a subset, with its names)."""
+    return {
+        "timing_s/step": step_s,
+        "timing_s/gen": gen,
+        "timing_s/reward": 0.2,
+        "timing_s/old_log_prob": 1.0,
+        "timing_s/adv": 0.05,
+        "timing_s/update_actor": update,
+        "timing_s/update_weights": 0.4,
+        "timing_per_token_ms/gen": 0.01,
+        "perf/max_memory_allocated_gb": alloc,
+        "perf/max_memory_reserved_gb": alloc + 2,
+        "perf/mfu/actor": 0.2,
+        "response_length/mean": 512.0,
+        "actor/pg_loss": -0.01,
+    }
+
+
+STEPS = [step(1, 40.0, 20.0, 12.0, 30.5), step(2, 25.0, 14.0, 8.0, 31.0), step(3, 27.0, 15.0, 9.0, 30.0)]
+
+
+def test_file_logger_lines_give_steps_phases_and_peaks():
+    lines = [json.dumps({"step": i + 1, "data": d}) for i, d in enumerate(STEPS)]
+    r = e2e_verl.summarise(e2e_verl.parse_metrics(lines))
+    assert r["steps_s"] == [40.0, 25.0, 27.0] and r["first_step_s"] == 40.0
+    assert r["step_s"] == 26.0  # the median of the steps after the first
+    assert r["phases_s"]["gen"] == 14.5 and r["phases_s"]["update_actor"] == 8.5
+    assert "step" not in r["phases_s"] and r["phases_s"]["update_weights"] == 0.4
+    assert r["peak_allocated_gib"] == 31.0 and r["peak_reserved_gib"] == 33.0 and r["mfu"] == 0.2
+
+
+def test_console_lines_behind_ray_prefix_parse_as_the_file():
+    # verl's console logger: "step:N - key:pformat(value) - ...", numbers only; numpy scalars print as
+    # np.float64(x) under numpy 2; Ray puts the actor's name before each line. Other lines are noise.
+    lines = ["(TaskRunnerV1 pid=4242) Training Progress:  33%|###       | 1/3", "step:0 no metrics here"]
+    for i, d in enumerate(STEPS):
+        items = [f"{k}:np.float64({v})" if k == "timing_s/gen" else f"{k}:{v}" for k, v in d.items()]
+        lines.append(f"(TaskRunnerV1 pid=4242) step:{i + 1} - " + " - ".join(items))
+    rows = e2e_verl.parse_metrics(lines)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["timing_s/gen"] == 14.0 and rows[2]["perf/max_memory_allocated_gb"] == 30.0
+    assert e2e_verl.summarise(rows)["step_s"] == 26.0
+
+
+def test_no_step_time_is_an_error():
+    with pytest.raises(ValueError, match="timing_s/step"):
+        e2e_verl.summarise(e2e_verl.parse_metrics(['{"step": 1, "data": {"timing_s/gen": 3.0}}']))
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    return bench_e2e.parse(["--model", "0.5b", *argv])
+
+
+def test_overrides_carry_the_bench_settings_and_user_overrides_win():
+    args = bench_args("--verl-override", "actor_rollout_ref.rollout.max_num_seqs=512")
+    ov = e2e_verl.overrides(args, "/m", "/d.parquet", "/run")
+    kv = dict(o.lstrip("+").split("=", 1) for o in ov)
+    assert kv["algorithm.adv_estimator"] == "grpo" and kv["actor_rollout_ref.rollout.n"] == "8"
+    assert kv["data.train_batch_size"] == "64" and kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == "64"
+    assert kv["data.max_prompt_length"] == "256" and kv["data.max_response_length"] == "512"
+    assert kv["actor_rollout_ref.rollout.gpu_memory_utilization"] == "0.3"
+    assert (
+        kv["actor_rollout_ref.rollout.ignore_eos"] == "True"
+        and kv["actor_rollout_ref.actor.use_kl_loss"] == "False"
+    )
+    assert (
+        kv["trainer.n_gpus_per_node"] == "1"
+        and kv["actor_rollout_ref.rollout.tensor_model_parallel_size"] == "1"
+    )
+    assert kv["trainer.total_training_steps"] == "3" and kv["trainer.logger"] == "[console,file]"
+    assert kv["reward.custom_reward_function.path"].endswith("bench/e2e_reward.py")
+    assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"  # no flash-attn there
+    assert kv["actor_rollout_ref.model.use_remove_padding"] == "False"  # sdpa would mix packed sequences
+    assert ov[-1] == "actor_rollout_ref.rollout.max_num_seqs=512"
+
+
+def test_peers_flags():
+    assert bench_args().peers == ["trl"]
+    assert bench_args("--peers", "trl,verl", "--skip-trl").peers == ["verl"]
+    with pytest.raises(SystemExit):
+        bench_args("--peers", "trl,openrlhf")
+
+
+def test_ratios_against_each_peer_and_the_lower_memory():
+    flatrl = {
+        "step_s": 10.0,
+        "peak_device_used_gib": 50.0,
+        "peak_allocated_gib": 40.0,
+        "phases_s": {"gen": 6.0},
+    }
+    trl = {
+        "step_s": 25.0,
+        "peak_device_used_gib": 53.0,
+        "peak_allocated_gib": 50.0,
+        "phases_s": {"vLLM.generate": 15.0},
+    }
+    verl = {"step_s": 20.0, "peak_device_used_gib": 40.0, "phases_s": {"gen": 12.0}}
+    r = bench_e2e.ratios(flatrl, trl, verl)
+    assert r["flatrl_vs_trl_step_time"] == 0.4 and r["flatrl_vs_verl_step_time"] == 0.5
+    assert r["flatrl_vs_verl_gen_time"] == 0.5 and r["flatrl_vs_trl_gen_time"] == 0.4
+    assert r["flatrl_vs_lower_peer_peak_device_used"] == 1.25  # verl's 40 GiB is the lower
+    r = bench_e2e.ratios(flatrl, trl, {"skipped": "no CUDA"})
+    assert r["flatrl_vs_verl_step_time"] is None and r["flatrl_vs_lower_peer_peak_device_used"] == 50.0 / 53.0
+
+
+def test_verl_prompts_are_one_user_message_of_the_same_letters(tmp_path):
+    data = bench_e2e.write_prompts(tmp_path / "p.parquet", rows=3, length=16)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(e2e_verl.write_prompts(str(data), tmp_path / "v.parquet")).to_pylist()
+    plain = pq.read_table(data).to_pylist()
+    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": p["prompt"]}] for p in plain]
+    assert rows[0]["reward_model"]["ground_truth"] == "0" and rows[0]["data_source"] == "bench"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FLATRL_VERL_SITE"), reason="FLATRL_VERL_SITE (the verl payload) not set"
+)
+def test_overrides_compose_with_verls_config(monkeypatch):
+    site = os.environ["FLATRL_VERL_SITE"]
+    monkeypatch.syspath_prepend(site)
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    ov = [
+        o for o in e2e_verl.overrides(bench_args(), "/m", "/d.parquet", "/run") if not o.startswith("hydra.")
+    ]
+    with initialize_config_dir(config_dir=f"{site}/verl/trainer/config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=ov)  # an unknown key raises here
+    assert OmegaConf.select(cfg, "actor_rollout_ref.rollout.prompt_length") == 256
+    assert cfg.actor_rollout_ref.model.custom_chat_template == e2e_verl.RAW_TEMPLATE
