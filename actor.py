@@ -363,12 +363,13 @@ def forward(
     return lp, ent
 
 
-def micro_batches(samples: list[Sample], idx: list[int], cfg: Any) -> list[list[int]]:
+def micro_batches(samples: list[Sample], idx: list[int], cfg: Any, sp_size: int = 1) -> list[list[int]]:
     """Splits samples[idx] into micro-batches with cfg's sizes (ActorConfig or ppo.CriticConfig: by count, or under
-    a token budget with use_dynamic_bsz); every rank gets the same number of them (an all-reduce)."""
+    a token budget with use_dynamic_bsz, which is per GPU: an SP group of `sp_size` GPUs holds sp_size times it,
+    as verl); every rank gets the same number of them (an all-reduce)."""
     lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
     if cfg.use_dynamic_bsz:
-        kw = dict(max_token_len=cfg.ppo_max_token_len_per_gpu)
+        kw = dict(max_token_len=cfg.ppo_max_token_len_per_gpu * sp_size)
     else:
         kw = dict(micro_batch_size=cfg.ppo_micro_batch_size_per_gpu)
     n = int(fsdp.all_reduce(len(data.micro_batches(lengths, **kw)), "max"))
@@ -390,7 +391,7 @@ def compute_logprobs(
     model.eval()
     # with SP: the group's samples, on each of its ranks
     group, _, mine = sp.share_samples(model, samples, 0)
-    for g in micro_batches(group, list(range(len(group))), cfg):
+    for g in micro_batches(group, list(range(len(group))), cfg, sp.size_of(model)):
         mb = MicroBatch.of([group[i] for i in g], layout)
         with lora.disabled(model) if ref else contextlib.nullcontext():
             lp = forward(model, mb, temperature, check=check)[0].cpu()  # [S, R]
@@ -486,7 +487,7 @@ def update(
             # over the data-parallel ranks: the P ranks of an SP group hold the same samples
             tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx)) / P
             seqs = fsdp.all_reduce(len(idx)) / P
-            groups = micro_batches(samples, idx, cfg)
+            groups = micro_batches(samples, idx, cfg, P)
             loss_sum = 0.0
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch

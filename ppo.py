@@ -329,7 +329,7 @@ def compute_values(
     critic.eval()
     # with SP: the group's samples, on each of its ranks
     group, _, mine = sp.share_samples(critic, samples, 0)
-    for g in actor.micro_batches(group, list(range(len(group))), cfg):
+    for g in actor.micro_batches(group, list(range(len(group))), cfg, sp.size_of(critic)):
         mb = actor.MicroBatch.of([group[i] for i in g], layout)
         v = critic_values(critic, mb).cpu()  # [S, R]
         for j, s in enumerate(mb.samples):

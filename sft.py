@@ -171,8 +171,9 @@ def make_micro_batches(
     lengths = [len(ds[i]["input_ids"]) for i in indices]
     mine = data.split_for_rank(indices, d[0], d[1], lengths=lengths)
     mine_lengths = [len(ds[i]["input_ids"]) for i in mine]
+    budget = cfg.max_token_len_per_gpu * sp_size  # per GPU: an SP group holds sp_size times it (as verl)
     if cfg.use_dynamic_bsz:
-        groups = data.micro_batches(mine_lengths, max_token_len=cfg.max_token_len_per_gpu)
+        groups = data.micro_batches(mine_lengths, max_token_len=budget)
     else:
         groups = data.micro_batches(mine_lengths, micro_batch_size=cfg.micro_batch_size_per_gpu)
     n = int(
@@ -181,7 +182,7 @@ def make_micro_batches(
     groups = data.micro_batches(
         mine_lengths,
         micro_batch_size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
-        max_token_len=cfg.max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        max_token_len=budget if cfg.use_dynamic_bsz else None,
         min_num=n,
     )
     batches = []
@@ -222,11 +223,12 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     on_device = 0.0 if cfg.model.fsdp_config.cpu_offload else 1.0
+    P = cfg.model.fsdp_config.ulysses_sequence_parallel_size  # with SP a rank holds 1/P of a micro-batch
     tokens = (
-        max(cfg.data.max_token_len_per_gpu, cfg.data.max_length)
+        max(cfg.data.max_token_len_per_gpu * P, cfg.data.max_length)
         if cfg.data.use_dynamic_bsz
         else cfg.data.micro_batch_size_per_gpu * cfg.data.max_length
-    ) / cfg.model.fsdp_config.ulysses_sequence_parallel_size  # with SP a rank holds 1/SP of them (sp.py)
+    ) / P
     step = {
         "cuda context": perf.CUDA_CONTEXT_BYTES,
         "params": on_device * 4 * total / world_size,

@@ -119,7 +119,8 @@ def test_verl_keys_set_the_sp_degree():
 
 
 def test_plan_divides_activations_and_logits_by_sp(tmp_path):
-    """--trainer.plan: with SP=4 a rank holds a quarter of a micro-batch's tokens; the states do not change."""
+    """--trainer.plan with SP=4: a rank holds a quarter of a micro-batch of ppo_micro_batch_size_per_gpu
+    sequences; a token budget stays per GPU (an SP group's micro-batch holds 4 budgets); the states do not change."""
     from dataclasses import replace
 
     from test_perf import QWEN05, Qwen2Config, _plan_cfg
@@ -128,10 +129,11 @@ def test_plan_divides_activations_and_logits_by_sp(tmp_path):
     import perf
 
     Qwen2Config(**QWEN05).save_pretrained(tmp_path)
-    cfg = _plan_cfg(str(tmp_path))
-    sp4 = _plan_cfg(str(tmp_path))
-    sp4.model = replace(cfg.model, fsdp_config=fsdp.FSDPConfig(ulysses_sequence_parallel_size=4))
-    one = perf.plan(cfg, world_size=4, device_total=140 * 2**30).phases["update"]
-    four = perf.plan(sp4, world_size=4, device_total=140 * 2**30).phases["update"]
-    assert four["activations"] == one["activations"] / 4 and four["logits"] == one["logits"] / 4
-    assert four["optimizer"] == one["optimizer"] and four["kernel"] == one["kernel"]
+    sp4 = fsdp.FSDPConfig(ulysses_sequence_parallel_size=4)
+    for dynamic, ratio in ((False, 4), (True, 1)):
+        cfg, cfg4 = (_plan_cfg(str(tmp_path), use_dynamic_bsz=dynamic) for _ in range(2))
+        cfg4.model = replace(cfg.model, fsdp_config=sp4)
+        one = perf.plan(cfg, world_size=4, device_total=140 * 2**30).phases["update"]
+        four = perf.plan(cfg4, world_size=4, device_total=140 * 2**30).phases["update"]
+        assert four["activations"] * ratio == one["activations"] and four["logits"] * ratio == one["logits"]
+        assert four["optimizer"] == one["optimizer"] and four["kernel"] == one["kernel"]
