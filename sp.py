@@ -11,7 +11,7 @@ on 1/SP of its tokens:
                all-to-all [H / SP, N, D] -> [H, N / SP, D]   (back to sequence shards)
     per-token outputs (logprobs, entropy, values) all-gathered to [N], so the loss is the SP=1 one
 
-    sp.setup(model, fsdp_cfg)                          # after load, before or after sharding
+    sp.setup(model, size, device.type, packed)         # after load_model, before fsdp.shard_model
     lp, ent, raw = sp.forward_logprobs(model, batch, labels, temperature, with_entropy)   # = losses.forward_logprobs
     values = sp.forward_logits(critic, batch)          # [B, T, 1] for the critic (logits gathered: small)
 
@@ -268,10 +268,14 @@ def forward_logprobs(
     if group is None:
         return losses.forward_logprobs(model, batch, labels, temperature, with_entropy, with_raw=with_raw)
     local, mine, N = shard_batch(batch, group)
-    out = losses.forward_logprobs(
+    lp, ent, raw = losses.forward_logprobs(
         model, local, _slice(labels, mine, N), temperature, with_entropy, with_raw=with_raw
     )
-    return tuple(None if t is None else gather(t, group, N) for t in out)  # type: ignore[return-value]
+    lp = gather(lp, group, N)  # [1, N]
+    ent = None if ent is None else gather(ent, group, N)
+    if temperature == 1.0:  # raw is lp, detached (losses.forward_logprobs): no second gather
+        return lp, ent, lp.detach()
+    return lp, ent, None if raw is None else gather(raw, group, N)
 
 
 def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
