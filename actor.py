@@ -38,6 +38,7 @@ import fsdp
 import lora
 import losses
 import optim
+import sp
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
         gradient_checkpointing=cfg.enable_gradient_checkpointing,
         value_head=value_head,
     )
+    sp.setup(model, cfg.fsdp_config.ulysses_sequence_parallel_size, device.type, cfg.use_remove_padding)
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))
     if cfg.lora_rank > 0 and not value_head:
         wrapped = lora.apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules)
@@ -347,7 +349,7 @@ def forward(
     """The policy's per-token logprobs [S, R] of mb's responses at `temperature` (differentiable, fp32), and their
     entropies [S, R] when asked for (or None). With `check`, this forward also feeds the push check."""
     raw_needed = check is not None and any(s.checkable for s in mb.samples)
-    lp, ent, raw = losses.forward_logprobs(
+    lp, ent, raw = sp.forward_logprobs(
         model,
         mb.inputs,
         mb.inputs["labels"],
@@ -361,12 +363,13 @@ def forward(
     return lp, ent
 
 
-def micro_batches(samples: list[Sample], idx: list[int], cfg: Any) -> list[list[int]]:
+def micro_batches(samples: list[Sample], idx: list[int], cfg: Any, sp_size: int = 1) -> list[list[int]]:
     """Splits samples[idx] into micro-batches with cfg's sizes (ActorConfig or ppo.CriticConfig: by count, or under
-    a token budget with use_dynamic_bsz); every rank gets the same number of them (an all-reduce)."""
+    a token budget with use_dynamic_bsz, which is per GPU: an SP group of `sp_size` GPUs holds sp_size times it,
+    as verl); every rank gets the same number of them (an all-reduce)."""
     lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx]
     if cfg.use_dynamic_bsz:
-        kw = dict(max_token_len=cfg.ppo_max_token_len_per_gpu)
+        kw = dict(max_token_len=cfg.ppo_max_token_len_per_gpu * sp_size)
     else:
         kw = dict(micro_batch_size=cfg.ppo_micro_batch_size_per_gpu)
     n = int(fsdp.all_reduce(len(data.micro_batches(lengths, **kw)), "max"))
@@ -386,20 +389,29 @@ def compute_logprobs(
     """Sets sample.old_logprobs (with `check`: also feeds the push check) or, with ref=True, sample.ref_logprobs
     (with any LoRA adapters of `model` off: the base model is the reference), [L] on the host. Eval mode, no grad."""
     model.eval()
-    for g in micro_batches(samples, list(range(len(samples))), cfg):
-        mb = MicroBatch.of([samples[i] for i in g], layout)
+    # with SP: the group's samples, on each of its ranks
+    group, _, mine = sp.share_samples(model, samples, 0)
+    for g in micro_batches(group, list(range(len(group))), cfg, sp.size_of(model)):
+        mb = MicroBatch.of([group[i] for i in g], layout)
         with lora.disabled(model) if ref else contextlib.nullcontext():
             lp = forward(model, mb, temperature, check=check)[0].cpu()  # [S, R]
         for j, s in enumerate(mb.samples):
             setattr(s, "ref_logprobs" if ref else "old_logprobs", lp[j, : mb.lengths[j]])
+    if group is not samples:  # SP: keep this rank's own results
+        name = "ref_logprobs" if ref else "old_logprobs"
+        for s, i in zip(samples, mine, strict=True):
+            setattr(s, name, getattr(group[i], name))
 
 
-def mini_batches(samples: list[Sample], n_prompts: int, mini_batch_size: int) -> list[list[int]]:
-    """Indices of samples per mini-batch: `mini_batch_size` prompts over all ranks, this rank's share of them.
+def mini_batches(
+    samples: list[Sample], n_prompts: int, mini_batch_size: int, sp_size: int = 1
+) -> list[list[int]]:
+    """Indices of samples per mini-batch: `mini_batch_size` prompts over all ranks, this rank's share of them
+    (a sequence-parallel group of `sp_size` ranks shares one share).
 
     Raises ValueError when the mini-batch does not split into the ranks or divide this rank's prompts.
     """
-    world = dist.get_world_size()
+    world = dist.get_world_size() // sp_size
     per_rank = mini_batch_size // world  # prompts per mini-batch on this rank
     if per_rank < 1 or mini_batch_size % world or n_prompts % per_rank:
         raise ValueError(
@@ -465,14 +477,17 @@ def update(
     Returns:
         loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks.
     """
-    world = dist.get_world_size()
+    world, P = dist.get_world_size(), sp.size_of(model)
+    # SP: the ranks of a group train the group's samples together
+    samples, n_prompts, _ = sp.share_samples(model, samples, n_prompts)
     sums: dict[str, torch.Tensor] = {}  # metric sums, device tensors until the update ends (no sync per pass)
     grad_norms = []
     for _ in range(cfg.ppo_epochs):
-        for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size):
-            tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx))
-            seqs = fsdp.all_reduce(len(idx))
-            groups = micro_batches(samples, idx, cfg)
+        for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size, P):
+            # over the data-parallel ranks: the P ranks of an SP group hold the same samples
+            tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx)) / P
+            seqs = fsdp.all_reduce(len(idx)) / P
+            groups = micro_batches(samples, idx, cfg, P)
             loss_sum = 0.0
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
@@ -480,7 +495,7 @@ def update(
                 if (
                     not g
                 ):  # this rank ran out of samples: an empty pass keeps FSDP's collectives paired; adds 0
-                    (model(**data.model_inputs(mb.inputs)).logits.sum() * 0).backward()
+                    (sp.forward_logits(model, mb.inputs).sum() * 0).backward()
                     continue
                 loss, metrics = loss_fn(model, mb)
                 (loss * world).backward()  # FSDP averages gradients over ranks; each rank's loss is its share
@@ -489,12 +504,12 @@ def update(
                     sums[name] = sums.get(name, 0.0) + v
             grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
             if guard.take_step(
-                fsdp.all_reduce(float(loss_sum)), grad_norm
+                fsdp.all_reduce(float(loss_sum)) / P, grad_norm
             ):  # global numbers: all ranks agree
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-    out = {name: fsdp.all_reduce(float(v)) / len(grad_norms) for name, v in sums.items()}
+    out = {name: fsdp.all_reduce(float(v)) / P / len(grad_norms) for name, v in sums.items()}
     return out | {f"{prefix}grad_norm": sum(grad_norms) / len(grad_norms)}
 
 

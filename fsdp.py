@@ -10,6 +10,8 @@
   mesh [world / k, k] ("replicate", "shard"): parameters, gradients and optimizer state are sharded within each
   group of k consecutive ranks (a node) and replicated across the groups, so the all-gathers and
   reduce-scatters stay inside a node and only one gradient all-reduce per step crosses nodes.
+  `sp_mesh`: with Ulysses sequence parallelism (`ulysses_sequence_parallel_size`, sp.py) a second 2-D mesh
+  [world / SP, SP] ("dp", "sp") beside it; FSDP still shards over its own mesh.
 - `run_main`: every trainer's `__main__`. A finished run leaves through `close_distributed`, which ends the
   process groups' worker threads before Python shuts down (one still running then can abort a finished run).
 - `iter_full_params`: all-gathers one parameter at a time (no whole-model spike) for saving and weight pushes.
@@ -63,6 +65,11 @@ class FSDPConfig:
     hsdp_shard_size: Annotated[int, config.NON_NEGATIVE] = 0
     """HSDP: shard within groups of this many consecutive ranks (one node: 8 on 8-GPU nodes) and replicate across
     the groups (fsdp.device_mesh); must divide the world size. 0: plain FSDP, sharded over all ranks."""
+    ulysses_sequence_parallel_size: Annotated[int, config.AT_LEAST_ONE] = 1
+    """Ulysses sequence parallelism (sp.py): each packed micro-batch's tokens are split over this many consecutive
+    ranks, which all hold the same micro-batch (data parallelism over world / this); attention heads are split
+    over them in between two all-to-alls. Needs use_remove_padding; must divide the world size and the model's
+    attention heads. 1: off."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class Dist:
 # init_distributed's timeout, which device_mesh gives the groups of a 2-D mesh
 _timeout_s: float | None = None
 # device_mesh's 2-D meshes of the current default group: policy, reference and critic share their groups
-_meshes: dict[tuple[str, int], tuple[Any, DeviceMesh]] = {}
+_meshes: dict[tuple[str, int, tuple[str, str]], tuple[Any, DeviceMesh]] = {}
 
 
 def _free_port() -> int:
@@ -306,7 +313,23 @@ def device_mesh(device_type: str, hsdp_shard_size: int = 0) -> DeviceMesh:
         return init_device_mesh(device_type, (world,))
     if k < 0 or world % k:
         raise ValueError(f"fsdp: hsdp_shard_size={k} must be 0 (plain FSDP) or divide the {world} ranks")
-    world_group, mesh = _meshes.get((device_type, k), (None, None))
+    return _mesh_2d(device_type, k, ("replicate", "shard"))
+
+
+def sp_mesh(device_type: str, size: int) -> DeviceMesh:
+    """The sequence-parallel mesh (sp.py): [world / size, size] named ("dp", "sp"), row i holding ranks
+    i*size .. i*size + size - 1; each row is one SP group. Made once per default group, like device_mesh's, with
+    init_distributed's timeout. Raises ValueError when size does not divide the world size."""
+    world = dist.get_world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"ulysses_sequence_parallel_size={size} must be >= 1 and divide the {world} ranks")
+    return _mesh_2d(device_type, size, ("dp", "sp"))
+
+
+def _mesh_2d(device_type: str, k: int, names: tuple[str, str]) -> DeviceMesh:
+    """A [world / k, k] mesh with these dimension names, cached per default group, with the run's timeout."""
+    world = dist.get_world_size()
+    world_group, mesh = _meshes.get((device_type, k, names), (None, None))
     if mesh is not None and world_group is dist.group.WORLD:  # not a group since destroyed
         return mesh
     override = None
@@ -314,10 +337,9 @@ def device_mesh(device_type: str, hsdp_shard_size: int = 0) -> DeviceMesh:
         nccl = dist.get_backend() == "nccl"
         opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=_timeout_s)
-        override = {"replicate": opts, "shard": opts}
-    names = ("replicate", "shard")
+        override = dict.fromkeys(names, opts)
     mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=names, backend_override=override)
-    _meshes[device_type, k] = (dist.group.WORLD, mesh)
+    _meshes[device_type, k, names] = (dist.group.WORLD, mesh)
     return mesh
 
 

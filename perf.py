@@ -294,11 +294,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def _micro_batch_tokens(cfg: Any) -> int:
-    """Most tokens in one actor micro-batch: the token budget, or micro-batch size x longest sequence."""
+def _micro_batch_tokens(cfg: Any, sp_size: int = 1) -> int:
+    """Most tokens in one actor micro-batch (of an SP group of `sp_size` GPUs): the token budget (per GPU), or
+    micro-batch size x longest sequence."""
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if cfg.actor.use_dynamic_bsz:
-        return max(cfg.actor.ppo_max_token_len_per_gpu, longest)
+        return max(cfg.actor.ppo_max_token_len_per_gpu * sp_size, longest)
     return cfg.actor.ppo_micro_batch_size_per_gpu * longest
 
 
@@ -312,7 +313,10 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          until the update's first optimizer step (sync, gen, old_logprob)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
-    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace
+    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace;
+                         with Ulysses SP (fsdp_config.ulysses_sequence_parallel_size) a rank holds 1/SP of a
+                         micro-batch's tokens, so its activations and logits are divided by SP (sp.py); a token
+                         budget (use_dynamic_bsz) is per GPU, so an SP group's micro-batch holds SP budgets
     old_logprob          + inference logits + kernel workspace (no activations are kept without grad)
     gen, sync            + the engine's budget rollout.gpu_memory_utilization x device memory (weights, KV
                          cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES
@@ -332,7 +336,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     adam = 0.0 if fs.cpu_offload else 8 * P / W
     grads = 0.0 if fs.cpu_offload else 4 * P / W
     unsharded = 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params
-    T = _micro_batch_tokens(cfg)
+    sp_size = getattr(fs, "ulysses_sequence_parallel_size", 1)
+    T = _micro_batch_tokens(cfg, sp_size) / sp_size  # this rank's share
     ckpt = cfg.model.enable_gradient_checkpointing
     engine = cfg.rollout.gpu_memory_utilization * device_total if device_total else 0.0
     if getattr(cfg.rollout, "name", "vllm") == "hf":
@@ -365,11 +370,12 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     for name, phase in phases.items():  # the critic's AdamW is back on the device from its own first step
         phase["critic optimizer"] = c_adam if name == "update" else c_rollout_adam
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    c_sp = getattr(critic.model.fsdp_config, "ulysses_sequence_parallel_size", 1)
     Tc = (
-        max(critic.ppo_max_token_len_per_gpu, longest)
+        max(critic.ppo_max_token_len_per_gpu * c_sp, longest)
         if critic.use_dynamic_bsz
         else critic.ppo_micro_batch_size_per_gpu * longest
-    )
+    ) / c_sp
     c_ckpt = critic.model.enable_gradient_checkpointing
     phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
         "optimizer": rollout_adam,
@@ -404,7 +410,7 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "old_logprob": f"lower --{budget}",
         "update": f"lower --{budget}, or turn on --model.enable_gradient_checkpointing "
-        "(or --model.fsdp_config.cpu_offload)",
+        "(or --model.fsdp_config.cpu_offload, or raise --model.fsdp_config.ulysses_sequence_parallel_size)",
         "sync": "lower --rollout.gpu_memory_utilization or turn on "
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "update_critic": "lower --critic.ppo_micro_batch_size_per_gpu (or --critic.ppo_max_token_len_per_gpu "

@@ -40,12 +40,12 @@ import torch
 
 import actor
 import config
-import data
 import fsdp
 import losses
 import optim
 import rl
 import rollout
+import sp
 
 
 @dataclass(frozen=True)
@@ -295,8 +295,8 @@ def policy_loss(
 def critic_values(critic: torch.nn.Module, mb: actor.MicroBatch) -> torch.Tensor:
     """The critic's values at mb's response positions, [S, R]: the value of the state before each response
     token (aligned as the actor's logprobs)."""
-    out = critic(**data.model_inputs(mb.inputs))
-    return mb.rows(out.logits[..., 0].float())  # [B, T] -> [S, R]
+    logits = sp.forward_logits(critic, mb.inputs)  # [B, T, 1]
+    return mb.rows(logits[..., 0].float())  # [B, T] -> [S, R]
 
 
 def value_loss(
@@ -327,11 +327,15 @@ def compute_values(
 ) -> None:
     """Sets sample.values ([L], on the CPU) for every sample of this rank (in eval mode)."""
     critic.eval()
-    for g in actor.micro_batches(samples, list(range(len(samples))), cfg):
-        mb = actor.MicroBatch.of([samples[i] for i in g], layout)
+    # with SP: the group's samples, on each of its ranks
+    group, _, mine = sp.share_samples(critic, samples, 0)
+    for g in actor.micro_batches(group, list(range(len(group))), cfg, sp.size_of(critic)):
+        mb = actor.MicroBatch.of([group[i] for i in g], layout)
         v = critic_values(critic, mb).cpu()  # [S, R]
         for j, s in enumerate(mb.samples):
             s.values = v[j, : mb.lengths[j]]
+    for s, i in zip(samples, mine, strict=True):  # SP: this rank's own (a no-op without it)
+        s.values = group[i].values
 
 
 # --------------------------------------------------------------------------------------------- loop

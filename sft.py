@@ -19,7 +19,8 @@ Where it deviates from verl's fsdp_sft_trainer:
    `data.use_dynamic_bsz`, `data.max_token_len_per_gpu` splits each rank's share into micro-batches.
 3. Padding-free packing (`model.use_remove_padding`) uses a block-diagonal attention mask, which works with
    any attention implementation; no flash-attn needed.
-4. No Ulysses sequence parallelism.
+4. Ulysses sequence parallelism (`model.fsdp_config.ulysses_sequence_parallel_size`, sp.py, docs/SP.md): the SP
+   ranks of a group share each micro-batch, so the data is split over world / SP ranks.
 
 Faults (the README's Reliability section lists each with its test):
 - A step whose loss or gradient norm is NaN/inf does not update the weights (optim.SkipGuard); the
@@ -41,16 +42,15 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import config
 import data
 import fsdp
 import log
-import losses
 import optim
 import perf
+import sp
 
 
 @dataclass(frozen=True)
@@ -153,20 +153,27 @@ class SFTConfig:
 def response_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed NLL of the response tokens in one micro-batch (padded or packed layout) and their count."""
     labels, mask = data.shift_labels(batch)  # [B, T] next token and whether it is trained on
-    logprobs, _, _ = losses.forward_logprobs(model, batch, labels)  # [B, T], chunked: no fp32 [B, T, V]
+    logprobs, _, _ = sp.forward_logprobs(model, batch, labels)  # [B, T], chunked: no fp32 [B, T, V]
     return -(logprobs * mask).sum(), int(mask.sum())
 
 
 def make_micro_batches(
-    ds: data.SFTDataset, indices: list[int], cfg: SFTDataConfig, packed: bool, device: torch.device
+    ds: data.SFTDataset,
+    indices: list[int],
+    cfg: SFTDataConfig,
+    packed: bool,
+    device: torch.device,
+    sp_size: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
-    """This rank's share of a global batch, as collated micro-batches (all ranks get the same count)."""
-    d = dist.get_rank(), dist.get_world_size()
+    """This rank's share of a global batch, as collated micro-batches (all ranks get the same count); the
+    `sp_size` ranks of a sequence-parallel group get the same share."""
+    d = sp.data_parallel(sp_size)
     lengths = [len(ds[i]["input_ids"]) for i in indices]
     mine = data.split_for_rank(indices, d[0], d[1], lengths=lengths)
     mine_lengths = [len(ds[i]["input_ids"]) for i in mine]
+    budget = cfg.max_token_len_per_gpu * sp_size  # per GPU: an SP group holds sp_size times it (as verl)
     if cfg.use_dynamic_bsz:
-        groups = data.micro_batches(mine_lengths, max_token_len=cfg.max_token_len_per_gpu)
+        groups = data.micro_batches(mine_lengths, max_token_len=budget)
     else:
         groups = data.micro_batches(mine_lengths, micro_batch_size=cfg.micro_batch_size_per_gpu)
     n = int(
@@ -175,7 +182,7 @@ def make_micro_batches(
     groups = data.micro_batches(
         mine_lengths,
         micro_batch_size=None if cfg.use_dynamic_bsz else cfg.micro_batch_size_per_gpu,
-        max_token_len=cfg.max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        max_token_len=budget if cfg.use_dynamic_bsz else None,
         min_num=n,
     )
     batches = []
@@ -207,7 +214,8 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
     """trainer.debug's memory plan of one training step on one rank, as text (perf.Plan): fp32 parameters
     (4 bytes each), gradients (4) and AdamW state (8) of the trainable ones, sharded over the ranks (none on the
     device with model.fsdp_config.cpu_offload); two layers gathered in bf16; activations, logits and the logprob
-    kernel's workspace of the largest micro-batch (perf.py's per-token estimates); the CUDA context."""
+    kernel's workspace of the largest micro-batch (perf.py's per-token estimates; 1/SP of its tokens under
+    Ulysses SP); the CUDA context."""
     try:
         shape = perf.ModelShape.from_config(model.config)
     except AttributeError as e:
@@ -215,11 +223,12 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     on_device = 0.0 if cfg.model.fsdp_config.cpu_offload else 1.0
+    P = cfg.model.fsdp_config.ulysses_sequence_parallel_size  # with SP a rank holds 1/P of a micro-batch
     tokens = (
-        max(cfg.data.max_token_len_per_gpu, cfg.data.max_length)
+        max(cfg.data.max_token_len_per_gpu * P, cfg.data.max_length)
         if cfg.data.use_dynamic_bsz
         else cfg.data.micro_batch_size_per_gpu * cfg.data.max_length
-    )
+    ) / P
     step = {
         "cuda context": perf.CUDA_CONTEXT_BYTES,
         "params": on_device * 4 * total / world_size,
@@ -245,13 +254,14 @@ def debug_line(step: int, loss: float, grad_norm: float, memory: dict[str, float
 def validate(model: torch.nn.Module, ds: data.SFTDataset, cfg: SFTConfig, device: torch.device) -> float:
     """Mean response-token NLL over the whole validation set (all ranks share the work)."""
     model.eval()
+    sp_size = cfg.model.fsdp_config.ulysses_sequence_parallel_size
     nll, n_tok = torch.zeros((), dtype=torch.float64), 0
     indices = list(range(len(ds)))
     step = cfg.data.train_batch_size
     with fsdp.explain_oom("sft validation", memory_settings(cfg)):
         for start in range(0, len(indices), step):
             for b in make_micro_batches(
-                ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device
+                ds, indices[start : start + step], cfg.data, cfg.model.use_remove_padding, device, sp_size
             ):
                 s, n = response_nll(model, b)
                 nll += s.double().cpu()
@@ -296,6 +306,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
     )
+    sp_size = cfg.model.fsdp_config.ulysses_sequence_parallel_size
+    sp.setup(model, sp_size, d.device.type, cfg.model.use_remove_padding)
     lora_info = None
     if cfg.model.lora_rank > 0:
         import lora
@@ -370,9 +382,11 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         except StopIteration:  # the sampler moved on to the next epoch
             it = iter(sampler)
             indices = next(it)
-        batches = make_micro_batches(train_ds, indices, cfg.data, cfg.model.use_remove_padding, d.device)
+        batches = make_micro_batches(
+            train_ds, indices, cfg.data, cfg.model.use_remove_padding, d.device, sp_size
+        )
         local_tokens = sum(int(data.shift_labels(b)[1].sum()) for b in batches)
-        global_tokens = fsdp.all_reduce(local_tokens)
+        global_tokens = fsdp.all_reduce(local_tokens) / sp_size  # an SP group's ranks hold the same tokens
         nll_sum = 0.0
         with fsdp.explain_oom(f"sft step {step + 1}", memory_settings(cfg)):
             with phase_memory("forward_backward"):
@@ -382,7 +396,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
                     # FSDP averages gradients over ranks: scale by world size for a sum over the global batch.
                     (nll * d.world_size / global_tokens).backward()
                     nll_sum += nll.item()
-            loss = fsdp.all_reduce(nll_sum) / global_tokens
+            loss = fsdp.all_reduce(nll_sum) / sp_size / global_tokens
             with phase_memory("optimizer"):
                 grad_norm = fsdp.grad_norm_and_clip(model, cfg.optim.clip_grad)
                 lr = scheduler.get_last_lr()[0]
@@ -396,11 +410,14 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             memory = phase_memory.pop()
             fsdp.print0(debug_line(step, loss, grad_norm, memory))
         elapsed = time.perf_counter() - t0
-        seen = fsdp.all_reduce(
-            sum(
-                int(b["loss_mask"].numel() if "cu_seqlens" in b else b["attention_mask"].sum())
-                for b in batches
+        seen = (
+            fsdp.all_reduce(
+                sum(
+                    int(b["loss_mask"].numel() if "cu_seqlens" in b else b["attention_mask"].sum())
+                    for b in batches
+                )
             )
+            / sp_size
         )
         metrics = {
             "train/loss": loss,

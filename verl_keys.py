@@ -68,7 +68,7 @@ PROFILER = "profiling is not built in; use torch.profiler or nsys around the scr
 CKPT = "a checkpoint holds model, optimizer and trainer state; shard_merge.py writes a Hugging Face folder"
 SPEED = "a speed option of verl's kernels; it does not change what is trained"
 MEMORY = "memory only; it does not change what is trained"
-SP = "no Ulysses sequence parallelism: each rank holds whole sequences (memory only)"
+SP = "Ulysses sequence parallelism lives in the fsdp_config (sp.py, docs/SP.md)"
 SHM = "loading through /dev/shm is a speed option"
 NO_CODE = "flatrl never imports code named in a config (the custom reward function is the one exception)"
 FSDP2 = "flatrl shards with FSDP2"
@@ -153,7 +153,7 @@ def _fsdp(ours: str) -> dict[str, Rule]:
         "use_orig_params": Ignore("an FSDP1 option; FSDP2 keeps the original parameters"),
         "seed": Ignore("seeds come from trainer.seed"),
         "full_determinism": Ignore("flatrl sets no deterministic-kernel flags"),
-        "ulysses_sequence_parallel_size": Ignore(SP),
+        "ulysses_sequence_parallel_size": Map(f"{ours}.ulysses_sequence_parallel_size", why=SP),
         "entropy_from_logits_with_chunking": Ignore("flatrl's logprob kernel is always chunked"),
         "entropy_checkpointing": Ignore(MEMORY),
         "use_torch_compile": Ignore(SPEED),
@@ -250,7 +250,7 @@ RL_ACTOR: dict[str, Rule] = {
     "profiler.*": Ignore(PROFILER),
     "router_replay.mode": Only(("disabled",), "no MoE routing replay"),
     "router_replay.*": Ignore("read only with router_replay.mode"),
-    "ulysses_sequence_parallel_size": Ignore(SP),
+    "ulysses_sequence_parallel_size": Map("model.fsdp_config.ulysses_sequence_parallel_size", why=SP),
     "entropy_from_logits_with_chunking": Ignore("flatrl's logprob kernel is always chunked"),
     "entropy_checkpointing": Ignore(MEMORY),
     "use_remove_padding": Map("model.use_remove_padding"),
@@ -484,7 +484,7 @@ PPO_CRITIC: dict[str, Rule] = {
     "data_loader_seed": Ignore(MB_IN_ORDER),
     "checkpoint.*": Ignore(CKPT),
     "profiler.*": Ignore(PROFILER),
-    "ulysses_sequence_parallel_size": Ignore(SP),
+    "ulysses_sequence_parallel_size": Map("critic.model.fsdp_config.ulysses_sequence_parallel_size", why=SP),
     "model.tokenizer_path": Ignore("the critic reads the actor's tokens"),
     "model.override_config": Only(({},), "the model's config.json is used as it is"),
     "model.override_config.*": Only(({},), "the model's config.json is used as it is"),
@@ -561,7 +561,7 @@ SFT: dict[str, Rule] = {
     **_under("data", SFT_DATA),
     **_under("model", SFT_MODEL),
     **_under("optim", _optim("optim", grad_clip=None)),
-    "ulysses_sequence_parallel_size": Ignore(SP),
+    "ulysses_sequence_parallel_size": Map("model.fsdp_config.ulysses_sequence_parallel_size", why=SP),
     "use_remove_padding": Map("model.use_remove_padding"),
     **_under("trainer", SFT_TRAINER),
 }
