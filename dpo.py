@@ -522,6 +522,11 @@ def main(cfg: DPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (train/loss, val/loss_before, val/rewards/accuracies, ...)."""
     from transformers import AutoTokenizer
 
+    if cfg.model.fsdp_config.ulysses_sequence_parallel_size > 1:
+        raise SystemExit(
+            "error: model.fsdp_config.ulysses_sequence_parallel_size="
+            f"{cfg.model.fsdp_config.ulysses_sequence_parallel_size}: dpo.py has no sequence parallelism yet; set 1"
+        )
     # a flatrl checkpoint (an SFT run's RUN/global_step_N) is loaded from its exported Hugging Face folder
     cfg = replace(cfg, model=replace(cfg.model, path=checkpoint.as_hf_model(cfg.model.path)))
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
