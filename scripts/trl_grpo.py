@@ -24,7 +24,7 @@ Precision as grpo.py: fp32 master weights, bf16 autocast. The reward is flatrl's
 the same verl-schema rows and the same chat template (the tokenizer's), so only the trainer differs.
 
 Writes to trainer.default_local_dir: metrics.jsonl (per step: train reward mean, response length, step seconds,
-in flatrl's metric names where one exists), model/ (the trained weights as a HF folder, for
+in flatrl's metric names where one exists, and every number TRL logged under trl/), model/ (the trained weights as a HF folder, for
 `grpo.py --trainer.val_only --model.path .../model`, the same greedy evaluation as flatrl's), wall_s.json.
 Needs trl (1.16), datasets, multiprocess, and vLLM with a GPU: bench/build_trl_payload.sh carries them.
 """
@@ -198,8 +198,7 @@ def main(argv: list[str]) -> None:
                 "actor/grad_norm": logs.get("grad_norm"),
                 "actor/entropy": logs.get("entropy"),
                 "timing_s/step": now - self.last,
-                "trl": logs,
-            }
+            } | {f"trl/{k}": v for k, v in logs.items() if isinstance(v, int | float)}  # TRL's own, as logged
             self.last = now
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
