@@ -79,7 +79,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+import config
 import fsdp
+import log
+import optim
 from fsdp import print0
 
 # Exactly `global_step_N`: an unfinished `.tmp` write and a `.old` folder being deleted never match.
@@ -342,6 +345,34 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} bytes"
+
+
+def trainer_state(
+    cfg: Any, sampler: Any, scheduler: Any, guard: optim.SkipGuard, results: dict, **more: Any
+) -> dict:
+    """The JSON state every trainer saves beside its weights (sft.py, dpo.py, rl.save): the data position, the lr
+    schedule, the skip counters, the results so far, the resolved config and the run's versions; `more` adds a
+    script's own keys (rl.save's `extra`)."""
+    return dict(
+        sampler=sampler.state_dict(),
+        scheduler=scheduler.state_dict(),
+        skips=guard.state_dict(),
+        results=results,
+        config=config.to_dict(cfg),
+        run_info=log.run_info(),
+        **more,
+    )
+
+
+def restore_trainer_state(
+    state: dict, sampler: Any, scheduler: Any, guard: optim.SkipGuard
+) -> tuple[int, dict]:
+    """Puts back what `trainer_state` saved (a checkpoint without skip counters, from before they existed, starts
+    them at 0) and returns (global step, results so far)."""
+    sampler.load_state_dict(state["sampler"])
+    optim.resume_schedule(scheduler, state["scheduler"])
+    guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
+    return state["global_step"], state.get("results", {})
 
 
 def load_checkpoint(

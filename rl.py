@@ -299,10 +299,8 @@ def resume(
         checkpoint.check_resume_config(path, config.to_dict(cfg), cfg.trainer.resume_allow_changes)
         for prefix, (model, optimizer, _) in components.items():
             state = checkpoint.load_checkpoint(path, model, optimizer, prefix=prefix)
-        run.sampler.load_state_dict(state["sampler"])
-        optim.resume_schedule(scheduler, state["scheduler"])
-        guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
-        step, results, extra = state["global_step"], state.get("results", {}), state.get("extra", {})
+        step, results = checkpoint.restore_trainer_state(state, run.sampler, scheduler, guard)
+        extra = state.get("extra", {})
         fsdp.print0(f"resumed from {path} at step {step}")
     run.logger = log.Logger(
         run.run_dir,
@@ -329,15 +327,7 @@ def save(
     extra: dict | None = None,
 ) -> Path:
     """Writes RUN/global_step_N/ with every component (collective); `extra` is the script's own JSON state."""
-    state = dict(
-        sampler=run.sampler.state_dict(),
-        scheduler=scheduler.state_dict(),
-        skips=guard.state_dict(),
-        results=results,
-        extra=extra or {},
-        config=config.to_dict(run.cfg),
-        run_info=log.run_info(),
-    )
+    state = checkpoint.trainer_state(run.cfg, run.sampler, scheduler, guard, results, extra=extra or {})
     parts = {k: (m, opt, files | {"tokenizer": run.tokenizer}) for k, (m, opt, files) in components.items()}
     model, optimizer, hf_files = parts.pop("")
     keep = run.cfg.trainer.max_ckpt_to_keep

@@ -337,10 +337,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     if resume is not None:
         checkpoint.check_resume_config(resume, config.to_dict(cfg), cfg.trainer.resume_allow_changes)
         state = checkpoint.load_checkpoint(resume, model, optimizer)
-        sampler.load_state_dict(state["sampler"])
-        optim.resume_schedule(scheduler, state["scheduler"])
-        guard.load_state_dict(state.get("skips", {"skipped": 0, "consecutive": 0}))
-        step, results = state["global_step"], state.get("results", {})
+        step, results = checkpoint.restore_trainer_state(state, sampler, scheduler, guard)
         fsdp.print0(f"resumed from {resume} at step {step}")
 
     logger = log.Logger(
@@ -360,14 +357,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         logger.log({"val/loss": results["val/loss_before"]}, step=0)
 
     def save() -> None:
-        state = dict(
-            sampler=sampler.state_dict(),
-            scheduler=scheduler.state_dict(),
-            skips=guard.state_dict(),
-            results=results,
-            config=config.to_dict(cfg),
-            run_info=log.run_info(),
-        )
+        state = checkpoint.trainer_state(cfg, sampler, scheduler, guard, results)
         checkpoint.save_checkpoint(
             run_dir, step, model, optimizer, state, hf_files, keep_last=cfg.trainer.max_ckpt_to_keep
         )
