@@ -204,7 +204,8 @@ def main(argv: list[str]) -> None:
             self.file.flush()
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    train = datasets.Dataset.from_list(rows(cfg.data.train_files))
+    files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
+    train = datasets.Dataset.from_list([r for f in files for r in rows(f)])
     t0 = time.perf_counter()
     trainer = GRPOTrainer(
         model=cfg.model.path,
