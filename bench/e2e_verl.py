@@ -43,6 +43,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REWARD = BENCH / "e2e_reward.py"
+NO_TRL = BENCH / "verl_no_trl"
 # The chat template verl applies to every prompt: the message content alone, no role markers, no generation
 # prompt (flatrl's `apply_chat_template: false`). `m.content` rather than `m['content']`: no quotes to escape
 # inside a Hydra override.
@@ -141,11 +142,12 @@ def lora_overrides(args) -> list[str]:
 
 
 def env(args, run_dir: str) -> dict[str, str]:
-    """The verl subprocess's environment: the payload first on PYTHONPATH (Ray's workers inherit it), verl's
+    """The verl subprocess's environment: TRL hidden and the payload first on PYTHONPATH (Ray's workers inherit it), verl's
     file logger at `run_dir`/metrics.jsonl, and vLLM's engine in its own process as verl runs it."""
     e = dict(os.environ)
     # Not the repo root: flatrl's top-level modules (data, log, rollout, ...) must not shadow anything of verl's.
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (args.verl_site, e.get("PYTHONPATH")) if p)
+    # NO_TRL first: its sitecustomize hides the TRL peer's TRL from verl (the file says why).
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(NO_TRL), args.verl_site, e.get("PYTHONPATH")) if p)
     e["VERL_FILE_LOGGER_PATH"] = f"{run_dir}/metrics.jsonl"
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # flatrl's in-process setting; verl's server runs its own
     e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -152,3 +153,23 @@ def test_overrides_compose_with_verls_config(monkeypatch):
         cfg = compose("ppo_trainer", overrides=ov)  # an unknown key raises here
     assert OmegaConf.select(cfg, "actor_rollout_ref.rollout.prompt_length") == 256
     assert cfg.actor_rollout_ref.model.custom_chat_template == e2e_verl.RAW_TEMPLATE
+
+
+def test_verl_processes_do_not_see_trl(tmp_path, monkeypatch):
+    """verl 0.9.1 imports TRL's value-head model whenever find_spec finds TRL, and TRL 1.16 (on the device for the
+    TRL peer) has none: verl's actor failed at start-up on the H200. Its subprocess must find no TRL, as verl asks."""
+    fake = tmp_path / "site"
+    (fake / "trl").mkdir(parents=True)
+    (fake / "trl" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    # verl's is_trl_available(), as verl/utils/import_utils.py writes it
+    code = (
+        "import importlib.util\n"
+        "try:\n    spec = importlib.util.find_spec('trl')\nexcept ModuleNotFoundError:\n    spec = None\n"
+        "import json; print('trl found' if spec else 'trl absent')\n"
+    )
+    args = argparse.Namespace(verl_site=str(tmp_path / "verl_site"))
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)  # noqa: E731
+    assert run(dict(os.environ)).stdout.strip() == "trl found"  # the control: the fake TRL is importable
+    out = run(e2e_verl.env(args, str(tmp_path)))
+    assert out.stdout.strip() == "trl absent", out.stderr
