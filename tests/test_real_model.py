@@ -382,6 +382,10 @@ def test_real_model_summary_by_hand(tmp_path):
             run / "grpo", [{"step": 0, "val/reward/mean": sft_acc}, {"step": 30, "val/reward/mean": grpo_acc}]
         )
         write(run / "arith", [{"step": 0, "val/reward/mean": 0.3}, {"step": 30, "val/reward/mean": 0.5}])
+        if seed == "0":  # PPO on the word task, one seed
+            ppo_rows = [{"step": 0, "val/reward/mean": 0.3}, {"step": 30, "val/reward/mean": 0.45}]
+            ppo_rows[1:1] = [{"step": k, "reward/mean": 0.1 * k, "timing_s/step": 2.0} for k in range(1, 7)]
+            write(run / "arith_ppo", ppo_rows)
         (run / "wall_s.txt").write_text("sft 60.5\nmerge 5.0\ngrpo 200.0\n")
     (tmp_path / "wall_s.txt").write_text("model 22.0\ndata 9.5\neval_base 70.0\n")
     s = summary.main(tmp_path)
@@ -399,5 +403,11 @@ def test_real_model_summary_by_hand(tmp_path):
     assert g["over_seeds"]["acc_after_grpo"] == pytest.approx({"mean": 0.055, "spread": 0.01})
     assert "acc_after_ppo" not in g["over_seeds"]  # no seed ran ppo
     assert s["arith_words"]["seeds"]["1"] == {"acc_base": 0.3, "acc_after_grpo": 0.5, "steps": 30}
+    ppo = s["arith_words"]["seeds"]["0"]
+    assert (ppo["ppo_acc_base"], ppo["acc_after_ppo"], ppo["ppo_steps"]) == (0.3, 0.45, 30)
+    assert ppo["ppo_train_reward_first5"] == pytest.approx(0.3) and ppo[
+        "ppo_train_reward_last5"
+    ] == pytest.approx(0.4)
+    assert "acc_after_ppo" not in s["arith_words"]["over_seeds"]  # seed 1 ran no arith_ppo
     assert s["wall_s"]["once"] == {"model": 22.0, "data": 9.5, "eval_base": 70.0}
     assert s["wall_s"]["seed1"] == {"sft": 60.5, "merge": 5.0, "grpo": 200.0}
