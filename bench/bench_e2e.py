@@ -31,8 +31,12 @@ between optimizer-step ends); the first step is reported apart (first-call costs
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
-Peak memory: flatrl, the largest perf/memory/*_peak_allocated_gb and *_device_used_gb of any step; TRL,
-torch.cuda.max_memory_allocated() and the device's used memory at each step end. The target compares device
+Peak memory: flatrl, the largest perf/memory/*_peak_allocated_gb and *_device_used_gb (at each phase's end) of
+any step; TRL, torch.cuda.max_memory_allocated() and the device's used memory at each step end. For all three,
+this process also samples the device's used memory every 0.25 s while each framework runs
+(`peak_device_used_sampled_gib` over its training steps, `peak_device_used_run_gib` over its whole process; the
+figures include this process's own CUDA context, the same for each), and the memory ratios compare those
+sampled peaks, which see what a phase-end or step-end reading misses. The target compares device
 used (total minus free: what runs out): torch's allocated count of flatrl's process includes vLLM's sleeping
 KV cache, whose tensors stay allocated while their memory is unmapped (H200, 0.5B: 46 GiB "allocated" in the
 reward phase with 11.6 GiB of the device in use).
@@ -46,6 +50,7 @@ reward phase with 11.6 GiB of the device in use).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -154,16 +159,24 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         flatrl_config(args, model, data, run_dir),
     ]
     t0 = time.perf_counter()
+    watch = e2e_verl.DeviceWatch(Path(run_dir, "metrics.jsonl")) if torch.cuda.is_available() else None
     try:
-        p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+        with watch or contextlib.nullcontext():
+            p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired as e:  # the peers still run, and the JSON still comes back
         return {"error": f"grpo.py timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         return {"error": f"grpo.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
-    rows = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines() if x]
-    rows = [r for r in rows if "timing_s/step" in r]
+    lines = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in lines if "timing_s/step" in r]
     steps = [r["timing_s/step"] for r in rows]
+    sampled = {}
+    if watch is not None:  # the device sampled as verl's run is: over the steps, and the whole run
+        sampled = {
+            "peak_device_used_sampled_gib": watch.peak(*steps_window(lines, watch.lines)),
+            "peak_device_used_run_gib": watch.peak(),
+        }
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
               for k in rows[-1] if k.startswith("timing_s/")}  # fmt: skip
@@ -180,8 +193,17 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,
         "peak_device_used_gib": peak("_device_used_gb") if torch.cuda.is_available() else None,
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
-        "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model),
+        "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model), **sampled,
     }  # fmt: skip
+
+
+def steps_window(lines: list[dict], seen_at: list[float]) -> tuple[float, float]:
+    """(start, end) of a grpo.py run's training steps on the watch's clock: `lines` are its metrics.jsonl rows,
+    `seen_at` the time each row was first seen. From the first step row's time less that step's seconds to the
+    last step row's; a row the watch never saw (written in its last 0.25 s) leaves the end open."""
+    at = [i for i, r in enumerate(lines) if "timing_s/step" in r]
+    seen = lambda i: seen_at[i] if i < len(seen_at) else float("inf")  # noqa: E731
+    return seen(at[0]) - lines[at[0]]["timing_s/step"], seen(at[-1])
 
 
 def timeout_tail(e: subprocess.TimeoutExpired) -> str:
@@ -258,7 +280,8 @@ def trl_worker(args: argparse.Namespace) -> None:
     steps = [b - a for a, b in zip([t1, *watch.ends], watch.ends, strict=False)]
     out = {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
-        "constructor_s": round(t1 - t0, 1), "peak_allocated_gib": max(watch.alloc),
+        "constructor_s": round(t1 - t0, 1), "train_start": t1, "train_end": watch.ends[-1],
+        "peak_allocated_gib": max(watch.alloc),
         "peak_device_used_gib": max(watch.used), "dropped_config_keys": dropped,
         "trl_version": importlib.metadata.version("trl"),
         "phases_s": phase_medians(timings),
@@ -392,12 +415,17 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
     )
     cmd = [sys.executable, __file__, *worker_argv(args, model, data, work, str(out))]
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+        with e2e_verl.DeviceWatch(Path(work, "no_metrics_file")) as watch:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired as e:
         return {"error": f"TRL worker timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
     if p.returncode != 0 or not out.is_file():
         return {"error": f"TRL worker exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    # The worker's perf_counter is CLOCK_MONOTONIC, the same clock as the watch's in this process (Linux).
+    result["peak_device_used_sampled_gib"] = watch.peak(result["train_start"], result["train_end"])
+    result["peak_device_used_run_gib"] = watch.peak()
+    return result
 
 
 def worker_argv(args: argparse.Namespace, model: str, data: str, work: str, out: str) -> list[str]:
@@ -482,21 +510,21 @@ def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
         return a / b if a and b else None
 
     gen = flatrl.get("phases_s", {}).get("gen")
-    used = flatrl.get("peak_device_used_gib")
+    # Device memory in use, sampled every 0.25 s over the training steps where the run has it (verl's always is).
+    sampled = lambda r: r.get("peak_device_used_sampled_gib") or r.get("peak_device_used_gib")  # noqa: E731
+    used = sampled(flatrl)
     out = {
         "flatrl_vs_trl_step_time": ratio(flatrl.get("step_s"), trl.get("step_s")),
         "flatrl_vs_trl_peak_allocated": ratio(
             flatrl.get("peak_allocated_gib"), trl.get("peak_allocated_gib")
         ),
-        "flatrl_vs_trl_peak_device_used": ratio(used, trl.get("peak_device_used_gib")),
+        "flatrl_vs_trl_peak_device_used": ratio(used, sampled(trl)),
         "flatrl_vs_trl_gen_time": ratio(gen, trl.get("phases_s", {}).get("vLLM.generate")),
         "flatrl_vs_verl_step_time": ratio(flatrl.get("step_s"), verl.get("step_s")),
-        "flatrl_vs_verl_peak_device_used": ratio(used, verl.get("peak_device_used_gib")),
+        "flatrl_vs_verl_peak_device_used": ratio(used, sampled(verl)),
         "flatrl_vs_verl_gen_time": ratio(gen, verl.get("phases_s", {}).get("gen")),
     }
-    lower = min(
-        (r["peak_device_used_gib"] for r in (trl, verl) if r.get("peak_device_used_gib")), default=None
-    )
+    lower = min((sampled(r) for r in (trl, verl) if sampled(r)), default=None)
     out["flatrl_vs_lower_peer_peak_device_used"] = ratio(used, lower)
     return out
 

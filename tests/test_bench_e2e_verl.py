@@ -173,3 +173,26 @@ def test_verl_processes_do_not_see_trl(tmp_path, monkeypatch):
     assert run(dict(os.environ)).stdout.strip() == "trl found"  # the control: the fake TRL is importable
     out = run(e2e_verl.env(args, str(tmp_path)))
     assert out.stdout.strip() == "trl absent", out.stderr
+
+
+def test_memory_ratios_use_the_sampled_peaks_and_the_steps_window():
+    """Each framework's device memory is sampled the same way (every 0.25 s over its steps); the ratios take those
+    peaks where a run has them, the phase-end or step-end reading where it does not."""
+    flatrl = {"step_s": 10.0, "peak_device_used_gib": 50.0, "peak_device_used_sampled_gib": 55.0}
+    trl = {"step_s": 30.0, "peak_device_used_gib": 53.0, "peak_device_used_sampled_gib": 60.0}
+    verl = {"step_s": 20.0, "peak_device_used_gib": 44.0}  # verl's own figure is sampled already
+    r = bench_e2e.ratios(flatrl, trl, verl)
+    assert r["flatrl_vs_trl_peak_device_used"] == 55.0 / 60.0
+    assert r["flatrl_vs_verl_peak_device_used"] == 55.0 / 44.0
+    assert r["flatrl_vs_lower_peer_peak_device_used"] == 55.0 / 44.0
+    # grpo.py's metrics: a validation row, then steps of 20 s and 10 s, seen at t = 5, 30, 41
+    lines = [
+        {"step": 0, "val/reward/mean": 0.1},
+        {"step": 1, "timing_s/step": 20.0},
+        {"step": 2, "timing_s/step": 10.0},
+    ]
+    assert bench_e2e.steps_window(lines, [5.0, 30.0, 41.0]) == (10.0, 41.0)
+    assert bench_e2e.steps_window(lines, [5.0, 30.0]) == (
+        10.0,
+        float("inf"),
+    )  # the last row came after the watch
