@@ -7,11 +7,16 @@ export OMP_NUM_THREADS ?= 2
 setup:
 	bash scripts/setup.sh
 
+# verl's config tree (scripts/verl_config_site.sh) lets two tests compose bench/e2e_verl.py's overrides with it.
+VERL_SITE = FLATRL_VERL_SITE=$$([ -d .verl_config ] && echo $(CURDIR)/.verl_config)
+
 test: setup
-	$(PY) -m pytest -q -ra tests
+	bash scripts/verl_config_site.sh
+	$(VERL_SITE) $(PY) -m pytest -q -ra tests
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	bash scripts/verl_config_site.sh
+	$(VERL_SITE) $(PY) -m pytest -q -ra -m "not slow" tests
 
 demo: setup
 	bash scripts/demo.sh
