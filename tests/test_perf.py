@@ -164,6 +164,32 @@ def test_varlen_attention_matches_padded_logprobs_and_grads():
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
 
 
+class _Rows(list):
+    """What sft.make_micro_batches reads of a data.SFTDataset: rows of input_ids and loss_mask, and pad_id."""
+
+    pad_id = 0
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_sft_packs_without_an_n_by_n_mask_on_cuda(device, one_rank):
+    """sft.py's packed micro-batches: on CUDA no N x N mask (the varlen kernel; the dense mask made SFT's attention
+    quadratic in the packed row), on CPU the block-diagonal mask; either way the NLL of the padded layout."""
+    import sft
+
+    seqs, masks = _seqs([5, 17, 9, 30])
+    ds = _Rows({"input_ids": s, "loss_mask": m} for s, m in zip(seqs, masks, strict=True))
+    cfg = sft.SFTDataConfig(use_dynamic_bsz=True, max_token_len_per_gpu=4096)
+    (packed,) = sft.make_micro_batches(ds, [0, 1, 2, 3], cfg, True, torch.device(device))
+    assert ("attention_mask" in packed) == (device != "cuda") and packed["max_seqlen"].device.type == "cpu"
+    model = tiny_model("varlen").to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        nll, n = sft.response_nll(model, packed)
+        (ref,) = sft.make_micro_batches(ds, [0, 1, 2, 3], cfg, False, torch.device(device))
+        nll_ref, n_ref = sft.response_nll(model, ref)
+    assert n == n_ref == sum(len(s) - 2 for s in seqs)  # every response token (2 prompt tokens a row)
+    torch.testing.assert_close(nll, nll_ref, rtol=1e-2 if device == "cuda" else 1e-5, atol=0)
+
+
 def test_load_model_picks_varlen_on_cuda_only(toy_dir):
     m = fsdp.load_model(str(toy_dir / "model"))
     assert m.config._attn_implementation == (attention.VARLEN if torch.cuda.is_available() else "sdpa")
