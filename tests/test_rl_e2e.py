@@ -136,7 +136,7 @@ def test_grpo_engine_process_pushes_exactly(toy_dir, tmp_path):
         "data.train_batch_size": 8,
         "actor.ppo_mini_batch_size": 8,
         "rollout.n": 2,
-        "rollout.engine_process": "true",
+        "rollout.engine_process": "",  # a bare flag
     }
     args = rl_args(toy_dir, toy_dir / "model", run, **over)
     p = torchrun("grpo.py", ["--config", "configs/grpo_toy.yaml", *args], nproc=1, env=ENV)
