@@ -537,9 +537,13 @@ class VLLMEngine:
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
         with deadline("import vllm", cfg.timeout_s):
+            import vllm.envs
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
             from vllm.platforms import current_platform
+        # An earlier in-process engine froze vLLM's reading of the environment (envs.enable_envs_cache in 0.32):
+        # read it again, so this engine sees the variables set above (an engine_process after an in-process one).
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         _quiet_known_harmless()
         sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: not cpu)()
         self.sleep_enabled = cfg.free_cache_engine and sleep_ok
