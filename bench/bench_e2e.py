@@ -17,8 +17,9 @@ The step time is the median of the steps after the first (flatrl: metrics.jsonl 
 between optimizer-step ends); the first step is reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
   `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
-  sleep level 2, the optimizer state on the device unless `--offload-optimizer`), `rollout.ignore_eos` for fixed
-  lengths.
+  sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
+  process unless `--engine-process`, one seed per call unless `--per-request-seeds`), `rollout.ignore_eos` for
+  fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
@@ -127,6 +128,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
         "rollout": {
             "n": args.n, "ignore_eos": True, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.toy or not torch.cuda.is_available(),  # CPU smoke runs: no graph capture
+            "engine_process": args.engine_process, "per_request_seeds": args.per_request_seeds,
         },
         "custom_reward_function": {"path": str(REWARD), "num_workers": 0 if args.toy else 4},
         "trainer": {
@@ -488,7 +490,9 @@ def main(args: argparse.Namespace) -> dict:
         | {"trl_steps": args.trl_steps, "verl_steps": args.verl_steps, "peers": args.peers,
            "gpu_memory_utilization": args.gpu_memory_utilization, "token_budget": args.token_budget,
            "flatrl_gradient_checkpointing": args.gradient_checkpointing,
-           "flatrl_offload_optimizer_in_rollout": args.offload_optimizer, "verl_override": args.verl_override,
+           "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
+           "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
+           "verl_override": args.verl_override,
            "model_path": args.model_path, "lora": args.lora},
         "flatrl": flatrl,
         "trl": trl,
@@ -556,6 +560,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="flatrl with model.fsdp_config.offload_optimizer_in_rollout: the AdamW state off the device from the "
         "push to the next optimizer step",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="flatrl with rollout.engine_process: vLLM's engine core in its own process instead of grpo.py's "
+        "(its seeded rollouts use per-request seeds, so compare it with --per-request-seeds too)",
+    )
+    p.add_argument(
+        "--per-request-seeds",
+        action="store_true",
+        help="flatrl with rollout.per_request_seeds: a generator per prompt instead of one seeded per call",
+    )
     p.add_argument(
         "--peers",
         default="trl",

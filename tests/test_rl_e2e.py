@@ -126,6 +126,25 @@ def test_ppo_raises_accuracy_and_explained_variance(toy_dir, sft_model, tmp_path
     check_resume("ppo.py", args, straight, resumed, keys)
 
 
+def test_grpo_engine_process_pushes_exactly(toy_dir, tmp_path):
+    """rollout.engine_process on one rank: grpo.py's push check holds with vLLM's engine core in its own process."""
+    run = tmp_path / "grpo_engine_process"
+    over = {
+        "data.val_files": "None",
+        "trainer.total_training_steps": 2,
+        "trainer.save_freq": -1,
+        "data.train_batch_size": 8,
+        "actor.ppo_mini_batch_size": 8,
+        "rollout.n": 2,
+        "rollout.engine_process": "",  # a bare flag
+    }
+    args = rl_args(toy_dir, toy_dir / "model", run, **over)
+    p = torchrun("grpo.py", ["--config", "configs/grpo_toy.yaml", *args], nproc=1, env=ENV)
+    assert "engine core in its own process" in p.stdout + p.stderr
+    diffs = by_step(read_metrics(run), "rollout/logprob_diff_max")
+    assert sorted(diffs) == [1, 2] and max(diffs.values()) < 1e-3, diffs  # the engine ran the trained weights
+
+
 BAD_REWARD = """
 import time
 

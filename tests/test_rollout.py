@@ -397,3 +397,59 @@ def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
         engine.wake_up()
         assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < tol
     engine.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_engine_process_push_seeds_and_check(tiny: Path, request: pytest.FixtureRequest) -> None:
+    """rollout.engine_process: vLLM's engine core in its own process, weights pushed in buckets (bytes on CPU, the
+    shared IPC buffer on CUDA) by named WorkerExtension methods. Its greedy tokens and logprobs follow a push, a
+    call's seed fixes its draws, a missed tensor is named, and the trainer's push check passes, then catches a
+    stale engine."""
+    pytest.importorskip("vllm")
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="engine_process=True runs one rank only"):
+        rollout.make_engine(rollout.RolloutConfig(engine_process=True), str(tiny), MAX_LEN, 0, 2)
+    if not dist.is_initialized():  # the trainer's group (no in-process engine here to make one)
+        request.getfixturevalue("one_rank")
+    cfg = rollout.RolloutConfig(
+        dtype="float32", gpu_memory_utilization=0.1, enforce_eager=True, max_num_seqs=16, engine_process=True
+    )
+    engine = rollout.make_engine(cfg, str(tiny), MAX_LEN)
+    try:
+        assert engine.llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"  # not in this process
+        model = load_hf(tiny)
+        # On CUDA the pushed tensors are the device's, so the push goes through the shared IPC buffer.
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        params = lambda: iter([(n, p.to(dev)) for n, p in model.named_parameters()])  # noqa: E731
+        greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
+        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < 1e-4
+        perturb(model, seed=1)
+        refs = [hf_greedy(model, p, 16)[0] for p in PROMPTS]
+        stale = engine.generate(PROMPTS, greedy, 16)
+        assert [s.response_ids for s in stale] != refs and max_logprob_err(model, stale, PROMPTS) > 1e-2
+
+        rpcs, rpc = [], engine._rpc
+        engine._rpc = lambda what, fn, *args: rpcs.append(fn) or rpc(what, fn, *args)
+        with pytest.MonkeyPatch.context() as mp:  # 64 KiB buckets: 1.3 MB of tensors, the larger ones alone
+            mp.setattr(rollout, "_PUSH_BUCKET_BYTES", 64 << 10)
+            engine.push_weights(params())
+        engine._rpc = rpc
+        assert (engine.ipc_buffer is not None) == torch.cuda.is_available()
+        assert rpcs.count("flatrl_load_bucket") > 10  # CPU's reload path gathers them before loading
+        fresh = engine.generate(PROMPTS, greedy, 16)
+        assert [s.response_ids for s in fresh] == refs
+        assert max_logprob_err(model, fresh, PROMPTS) < 1e-4
+
+        sampling = rollout.SamplingConfig(n=3, temperature=1.0)
+        first = engine.generate(PROMPTS, sampling, 12, seed=11)
+        assert max_logprob_err(model, first, PROMPTS) < 1e-4
+        assert engine.generate(PROMPTS, sampling, 12, seed=12) != first
+        # The same seed, the same draws (per-request seeds in this mode: the batches' make-up does not repeat).
+        assert engine.generate(PROMPTS, sampling, 12, seed=11) == first
+
+        with pytest.raises(ValueError, match=r"missed 1 tensors, e.g. \['model.embed_tokens.weight'\]"):
+            engine.push_weights(iter(list(params())[1:]))
+        assert_subset_and_check_catches_stale(engine, tiny, tol=1e-3)
+    finally:
+        engine.shutdown()
