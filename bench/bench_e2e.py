@@ -189,7 +189,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
                 if k.startswith("perf/memory/") and k.endswith(f"_{what}_gb") and v is not None:
                     m = memory.setdefault(k.removeprefix("perf/memory/").removesuffix(f"_{what}_gb"), {})
                     m[what] = max(m.get(what, 0.0), v)
-    return {
+    out = {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
         "phases_s": phases, "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),
         "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,
@@ -197,6 +197,27 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
         "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model), **sampled,
     }  # fmt: skip
+    if torch.cuda.is_available():
+        engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
+        out["plan_check_gib"] = plan_check(memory, out["plan_by_phase_gib"], engine)
+    return out
+
+
+def plan_check(memory: dict, plan: dict, engine_gib: float) -> dict:
+    """Per phase, perf.plan's figure against the phase's measured peak allocated, on the same footing.
+
+    torch counts vLLM's pool (weights and KV cache, about gpu_memory_utilization x the device) as allocated in
+    every phase, asleep or awake, since sleeping unmaps the memory but keeps the tensors (H200, 0.5B: 46 GiB
+    "allocated" in the reward phase with 15.8 GiB of the device in use). The plan adds the engine's budget to
+    gen and sync only, where it is awake; in the other phases (old_logprob, update) the comparable measure is the
+    allocated peak less the engine's share."""
+    out = {}
+    for phase, p in plan.items():
+        allocated = memory.get(phase, {}).get("peak_allocated")
+        if allocated is not None and p:
+            measured = allocated if phase in ("gen", "sync") else allocated - engine_gib
+            out[phase] = {"plan": p, "measured": round(measured, 2), "ratio": round(measured / p, 3)}
+    return out
 
 
 def steps_window(lines: list[dict], seen_at: list[float]) -> tuple[float, float]:
