@@ -421,9 +421,12 @@ def test_vllm_engine_process_push_seeds_and_check(tiny: Path, request: pytest.Fi
         model = load_hf(tiny)
         # On CUDA the pushed tensors are the device's, so the push goes through the shared IPC buffer.
         dev = "cuda" if torch.cuda.is_available() else "cpu"
+        # The CUDA engine's fp32 kernels differ from the CPU reference by 2e-3 to 5.3e-3 (H200, this test at
+        # 25ed85b, before any push); stale weights are off by > 1e-2, so 1e-2 still tells them apart.
+        tol = 1e-2 if dev == "cuda" else 1e-4
         params = lambda: iter([(n, p.to(dev)) for n, p in model.named_parameters()])  # noqa: E731
         greedy = rollout.SamplingConfig(n=1, temperature=0.0, do_sample=False)
-        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < 1e-4
+        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < tol
         perturb(model, seed=1)
         refs = [hf_greedy(model, p, 16)[0] for p in PROMPTS]
         stale = engine.generate(PROMPTS, greedy, 16)
@@ -439,17 +442,17 @@ def test_vllm_engine_process_push_seeds_and_check(tiny: Path, request: pytest.Fi
         assert rpcs.count("flatrl_load_bucket") > 10  # CPU's reload path gathers them before loading
         fresh = engine.generate(PROMPTS, greedy, 16)
         assert [s.response_ids for s in fresh] == refs
-        assert max_logprob_err(model, fresh, PROMPTS) < 1e-4
+        assert max_logprob_err(model, fresh, PROMPTS) < tol
 
         sampling = rollout.SamplingConfig(n=3, temperature=1.0)
         first = engine.generate(PROMPTS, sampling, 12, seed=11)
-        assert max_logprob_err(model, first, PROMPTS) < 1e-4
+        assert max_logprob_err(model, first, PROMPTS) < tol
         assert engine.generate(PROMPTS, sampling, 12, seed=12) != first
         # The same seed, the same draws (per-request seeds in this mode: the batches' make-up does not repeat).
         assert engine.generate(PROMPTS, sampling, 12, seed=11) == first
 
         with pytest.raises(ValueError, match=r"missed 1 tensors, e.g. \['model.embed_tokens.weight'\]"):
             engine.push_weights(iter(list(params())[1:]))
-        assert_subset_and_check_catches_stale(engine, tiny, tol=1e-3)
+        assert_subset_and_check_catches_stale(engine, tiny, tol=1e-2 if dev == "cuda" else 1e-3)
     finally:
         engine.shutdown()
