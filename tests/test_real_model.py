@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, VLLM_CPU_ENV, flags, read_metrics, torchrun
 
 import rollout
+import vllm_worker
 
 GSM8K_ROWS = [
     {
@@ -103,7 +104,7 @@ def test_prepare_gsm8k_sft_prompt_is_the_rl_prompt(gsm8k, tmp_path):
 
 
 def test_harmless_vllm_warnings_are_dropped_and_others_kept():
-    rollout._quiet_known_harmless()
+    vllm_worker.quiet_known_harmless()
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import rollout
+import vllm_worker
 
 VOCAB, EOS = 300, 2
 MAX_LEN = 64
@@ -435,7 +436,7 @@ def test_vllm_engine_process_push_seeds_and_check(tiny: Path, request: pytest.Fi
         rpcs, rpc = [], engine._rpc
         engine._rpc = lambda what, fn, *args: rpcs.append(fn) or rpc(what, fn, *args)
         with pytest.MonkeyPatch.context() as mp:  # 64 KiB buckets: 1.3 MB of tensors, the larger ones alone
-            mp.setattr(rollout, "_PUSH_BUCKET_BYTES", 64 << 10)
+            mp.setattr(vllm_worker, "PUSH_BUCKET_BYTES", 64 << 10)
             engine.push_weights(params())
         engine._rpc = rpc
         assert (engine.ipc_buffer is not None) == torch.cuda.is_available()
