@@ -205,7 +205,7 @@ def collate(samples: list[Sample], layout: Layout) -> dict:
         seqs = [s.prompt_ids + s.response_ids for s in samples]
         masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
     if layout.packed:  # GPU: no N x N mask (varlen attention)
-        b = data.pack_batch(seqs, masks, mask_dtype=None if layout.device.type == "cuda" else torch.bool)
+        b = data.pack_batch(seqs, masks, mask_dtype=data.packed_mask_dtype(layout.device))
     else:
         b = data.pad_batch(seqs, masks, layout.pad_id)
     b["labels"], b["label_mask"] = data.shift_labels(b)

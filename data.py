@@ -569,6 +569,13 @@ def pad_batch(
     )
 
 
+def packed_mask_dtype(device: torch.device) -> torch.dtype | None:
+    """pack_batch's mask_dtype for training on `device`: None on CUDA (no N x N mask; attention.VARLEN runs torch's
+    varlen kernel over cu_seqlens), torch.bool elsewhere (sdpa with the block-diagonal mask). A dense mask on CUDA
+    makes attention quadratic in the whole packed row."""
+    return None if device.type == "cuda" else torch.bool
+
+
 def pack_batch(
     seqs: Sequence[Sequence[int]],
     masks: Sequence[Sequence[int]],

@@ -19,7 +19,6 @@ Where it deviates from verl's fsdp_sft_trainer:
    `data.use_dynamic_bsz`, `data.max_token_len_per_gpu` splits each rank's share into micro-batches.
 3. Padding-free packing (`model.use_remove_padding`): on CUDA torch's varlen flash kernel over the sequences'
    boundaries (attention.py, as the RL scripts), elsewhere a block-diagonal N x N mask; no flash-attn needed.
-   Until 2026-12-04 SFT built the N x N mask on CUDA too, so its attention was quadratic in the packed row.
 4. Ulysses sequence parallelism (`model.fsdp_config.ulysses_sequence_parallel_size`, sp.py, docs/SP.md): the SP
    ranks of a group share each micro-batch, so the data is split over world / SP ranks.
 
@@ -192,8 +191,8 @@ def make_micro_batches(
         masks = [ds[mine[j]]["loss_mask"] for j in g]
         if not seqs:  # an empty micro-batch keeps this rank in step: one token, no loss
             seqs, masks = [[ds.pad_id]], [[0]]
-        if packed:  # on CUDA no N x N mask: varlen attention over cu_seqlens, as actor.collate
-            b = data.pack_batch(seqs, masks, mask_dtype=None if device.type == "cuda" else torch.bool)
+        if packed:
+            b = data.pack_batch(seqs, masks, mask_dtype=data.packed_mask_dtype(device))
         else:
             b = data.pad_batch(seqs, masks, ds.pad_id)
         # max_seqlen stays on the host, where data.model_inputs reads it (no device sync)

@@ -438,7 +438,7 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
     )
     cmd = [sys.executable, __file__, *worker_argv(args, model, data, work, str(out))]
     try:
-        with e2e_verl.DeviceWatch(Path(work, "no_metrics_file")) as watch:
+        with e2e_verl.DeviceWatch(None) as watch:  # the worker returns its steps' start and end times
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired as e:
         return {"error": f"TRL worker timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}

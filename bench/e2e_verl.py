@@ -207,9 +207,9 @@ def summarise(rows: list[dict]) -> dict:
 
 class DeviceWatch:
     """Samples the device's used memory (total minus free, every process) every `period_s` in a thread, and the
-    time at which each line of verl's metrics file appears."""
+    time at which each line of a run's metrics file (verl's, grpo.py's; None: none) appears."""
 
-    def __init__(self, metrics: Path, period_s: float = 0.25) -> None:
+    def __init__(self, metrics: Path | None, period_s: float = 0.25) -> None:
         self.metrics, self.period_s = metrics, period_s
         self.samples: list[tuple[float, float]] = []  # (time, GiB used)
         self.lines: list[float] = []  # time each metrics line was first seen
@@ -223,7 +223,7 @@ class DeviceWatch:
             free, total = torch.cuda.mem_get_info()
             now = time.perf_counter()
             self.samples.append((now, (total - free) / 2**30))
-            if self.metrics.is_file():
+            if self.metrics is not None and self.metrics.is_file():
                 n = self.metrics.read_bytes().count(b"\n")
                 self.lines += [now] * (n - len(self.lines))
             self.stop.wait(self.period_s)
