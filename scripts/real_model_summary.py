@@ -5,7 +5,8 @@
 Accuracies are greedy val/reward/mean (strict "#### N"):
     gsm8k.acc_base             OUT/eval_base (grpo.py --trainer.val_only on the converted model), all test problems
     gsm8k.seeds.S.acc_after_sft   the GRPO run's validation before its first step (the merged SFT model)
-    gsm8k.seeds.S.acc_after_grpo  / acc_after_ppo: the last validation of each run
+    gsm8k.seeds.S.acc_after_grpo  / acc_after_ppo: the last validation of each run; acc_before_ppo: the PPO run's
+                               validation before its first step (its SFT model, when PPO ran from another SFT run)
     arith_words.seeds.S.acc_base / acc_after_grpo: the arith run's first and last validation (it starts from the
                                base model); trl_acc_after_grpo: the TRL peer's model (stage trl), evaluated the same
                                way; acc_after_ppo: the arith_ppo run's last validation (ppo_acc_base its
@@ -68,6 +69,7 @@ def seed_summary(folder: Path) -> tuple[dict, dict]:
     gsm8k = {
         "acc_after_sft": before(grpo) if grpo else before(ppo),
         "acc_after_grpo": after(grpo),
+        "acc_before_ppo": before(ppo),  # the SFT model PPO started from (a re-run SFT where grpo's is older)
         "acc_after_ppo": after(ppo),
         "sft_val_loss_before": sft_loss[0] if sft_loss else None,
         "sft_val_loss_after": sft_loss[-1] if sft_loss else None,

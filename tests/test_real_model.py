@@ -387,6 +387,8 @@ def test_real_model_summary_by_hand(tmp_path):
             ppo_rows = [{"step": 0, "val/reward/mean": 0.3}, {"step": 30, "val/reward/mean": 0.45}]
             ppo_rows[1:1] = [{"step": k, "reward/mean": 0.1 * k, "timing_s/step": 2.0} for k in range(1, 7)]
             write(run / "arith_ppo", ppo_rows)
+        else:  # GSM8K PPO from a re-run SFT model: its start is reported apart from the GRPO run's
+            write(run / "ppo", [{"step": 0, "val/reward/mean": 0.033}, {"step": 20, "val/reward/mean": 0.032}])
         (run / "wall_s.txt").write_text("sft 60.5\nmerge 5.0\ngrpo 200.0\n")
     (tmp_path / "wall_s.txt").write_text("model 22.0\ndata 9.5\neval_base 70.0\n")
     s = summary.main(tmp_path)
@@ -396,13 +398,16 @@ def test_real_model_summary_by_hand(tmp_path):
     assert g["seeds"]["0"] == {
         "acc_after_sft": 0.02,
         "acc_after_grpo": 0.05,
+        "acc_before_ppo": None,
         "acc_after_ppo": None,
         "sft_val_loss_before": 1.2,
         "sft_val_loss_after": 0.8,
         "steps": {"sft": 9, "grpo": 30, "ppo": None},
     }
     assert g["over_seeds"]["acc_after_grpo"] == pytest.approx({"mean": 0.055, "spread": 0.01})
-    assert "acc_after_ppo" not in g["over_seeds"]  # no seed ran ppo
+    assert "acc_after_ppo" not in g["over_seeds"]  # one seed ran ppo
+    one = g["seeds"]["1"]
+    assert (one["acc_after_sft"], one["acc_before_ppo"], one["acc_after_ppo"]) == (0.04, 0.033, 0.032)
     assert s["arith_words"]["seeds"]["1"] == {"acc_base": 0.3, "acc_after_grpo": 0.5, "steps": 30}
     ppo = s["arith_words"]["seeds"]["0"]
     assert (ppo["ppo_acc_base"], ppo["acc_after_ppo"], ppo["ppo_steps"]) == (0.3, 0.45, 30)
