@@ -388,7 +388,9 @@ def test_real_model_summary_by_hand(tmp_path):
             ppo_rows[1:1] = [{"step": k, "reward/mean": 0.1 * k, "timing_s/step": 2.0} for k in range(1, 7)]
             write(run / "arith_ppo", ppo_rows)
         else:  # GSM8K PPO from a re-run SFT model: its start is reported apart from the GRPO run's
-            write(run / "ppo", [{"step": 0, "val/reward/mean": 0.033}, {"step": 20, "val/reward/mean": 0.032}])
+            write(
+                run / "ppo", [{"step": 0, "val/reward/mean": 0.033}, {"step": 20, "val/reward/mean": 0.032}]
+            )
         (run / "wall_s.txt").write_text("sft 60.5\nmerge 5.0\ngrpo 200.0\n")
     (tmp_path / "wall_s.txt").write_text("model 22.0\ndata 9.5\neval_base 70.0\n")
     s = summary.main(tmp_path)
