@@ -348,13 +348,20 @@ def _size(nbytes: float) -> str:
 
 
 def trainer_state(
-    cfg: Any, sampler: Any, scheduler: Any, guard: optim.SkipGuard, results: dict, **more: Any
+    cfg: Any,
+    sampler: Any,
+    scheduler: Any,
+    guard: optim.SkipGuard,
+    results: dict,
+    sampler_state: dict | None = None,
+    **more: Any,
 ) -> dict:
-    """The JSON state every trainer saves beside its weights (sft.py, dpo.py, rl.save): the data position, the lr
-    schedule, the skip counters, the results so far, the resolved config and the run's versions; `more` adds a
-    script's own keys (rl.save's `extra`)."""
+    """The JSON state every trainer saves beside its weights (sft.py, dpo.py, rl.save): the data position (the
+    sampler's, or `sampler_state` where the trainer drew a batch it has not trained on yet), the lr schedule, the
+    skip counters, the results so far, the resolved config and the run's versions; `more` adds a script's own
+    keys (rl.save's `extra`)."""
     return dict(
-        sampler=sampler.state_dict(),
+        sampler=sampler_state if sampler_state is not None else sampler.state_dict(),
         scheduler=scheduler.state_dict(),
         skips=guard.state_dict(),
         results=results,

@@ -276,15 +276,26 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         step, results, _ = rl.resume(run, components, scheduler, guard)
         if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
             return results
+        ahead = run.ahead = rl.RolloutAhead(run, engine) if cfg.rollout.async_steps else None
         while step < run.total_steps:
             with rl.step_timer(cfg) as timer:
                 # 1-2. prompts, and rollout.n responses to each
-                prompts, mine = run.next_prompts()  # the engine's prompts; this rank trains on prompts[mine]
                 with timer("gen"):
-                    samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                    if ahead is None:
+                        prompts, mine = (
+                            run.next_prompts()
+                        )  # the engine's prompts; this rank trains on prompts[mine]
+                        samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                    else:  # generated during the last step (one update old), or now at the first
+                        samples, prompts = ahead.take(step)
+                if ahead is not None and step + 1 < run.total_steps:
+                    ahead.start(
+                        step + 1
+                    )  # the next step's rollouts, with these weights, while this step trains
                 # 3. scores, in the reward workers while the engine sleeps and the passes below run
                 scores = rl.score_in_background(run, samples, prompts)
-                engine.sleep()  # frees the KV cache (and weights) for the trainer
+                if ahead is None:
+                    engine.sleep()  # frees the KV cache (and weights) for the trainer
                 # 4. logprob passes
                 check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
                 if not one_step:
@@ -302,11 +313,17 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
                     batch = (samples, len(prompts), cfg.actor, run.layout)
                     metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
-                metrics |= check.result(cfg.rollout.logprob_diff_tol, step)
+                stale = ahead is not None and ahead.stale
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale) | {
+                    "rollout/staleness": float(stale)
+                }
                 metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                 scheduler.step()
                 step += 1
-                # 7. push
+                # 7. push, once the engine is done with the rollouts generated ahead
+                if ahead is not None:
+                    with timer("gen_wait"):
+                        metrics |= ahead.wait()
                 with timer("sync"):
                     rl.push(run, engine, policy, offload)
             # 8. validate, log, save when due

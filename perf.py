@@ -319,7 +319,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          budget (use_dynamic_bsz) is per GPU, so an SP group's micro-batch holds SP budgets
     old_logprob          + inference logits + kernel workspace (no activations are kept without grad)
     gen, sync            + the engine's budget rollout.gpu_memory_utilization x device memory (weights, KV
-                         cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES
+                         cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES (the whole budget in
+                         every phase without free_cache_engine, or with rollout.async_steps=1)
     every phase          + CUDA_CONTEXT_BYTES
     PPO (cfg.critic)     + the critic's fp32 params 4P/W and AdamW 8P/W (its own fsdp_config; AdamW off the device
                          in rollout like the actor's); the reference also with algorithm.use_kl_in_reward; an
@@ -342,7 +343,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     engine = cfg.rollout.gpu_memory_utilization * device_total if device_total else 0.0
     if getattr(cfg.rollout, "name", "vllm") == "hf":
         engine = 2 * P  # an unsharded bf16 copy, no KV cache
-    asleep = ENGINE_ASLEEP_BYTES if getattr(cfg.rollout, "free_cache_engine", True) else engine
+    # The engine never sleeps while rollouts are generated one step ahead (rollout.async_steps=1)
+    awake = not getattr(cfg.rollout, "free_cache_engine", True) or getattr(cfg.rollout, "async_steps", 0)
+    asleep = engine if awake else ENGINE_ASLEEP_BYTES
     offload_in_rollout = getattr(fs, "offload_optimizer_in_rollout", False)
     rollout_adam = 0.0 if offload_in_rollout else adam
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}

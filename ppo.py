@@ -345,6 +345,11 @@ def main(cfg: PPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     if not cfg.critic.model.path:  # the critic starts from the actor's model unless told otherwise
         cfg = replace(cfg, critic=replace(cfg.critic, model=replace(cfg.critic.model, path=cfg.model.path)))
+    if cfg.rollout.async_steps:
+        raise SystemExit(
+            "error: rollout.async_steps=1 (one-step off-policy rollouts) is grpo.py's only; ppo.py generates every "
+            "step with the weights just pushed: set rollout.async_steps=0"
+        )
     if cfg.actor.policy_loss.loss_mode != "vanilla":
         raise SystemExit(
             f"error: actor.policy_loss.loss_mode={cfg.actor.policy_loss.loss_mode} is grpo.py's; ppo.py's "

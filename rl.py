@@ -130,6 +130,7 @@ class Run:
     scorer: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-reward")
     )
+    ahead: RolloutAhead | None = None  # rollout.async_steps=1: the rollouts generated one step ahead
     _batches: Any = None
 
     @property
@@ -327,7 +328,11 @@ def save(
     extra: dict | None = None,
 ) -> Path:
     """Writes RUN/global_step_N/ with every component (collective); `extra` is the script's own JSON state."""
-    state = checkpoint.trainer_state(run.cfg, run.sampler, scheduler, guard, results, extra=extra or {})
+    # With a batch drawn ahead (rollout.async_steps), the data position before it: a resumed run draws it again.
+    position = run.ahead.position if run.ahead is not None else None
+    state = checkpoint.trainer_state(
+        run.cfg, run.sampler, scheduler, guard, results, extra=extra or {}, sampler_state=position
+    )
     parts = {k: (m, opt, files | {"tokenizer": run.tokenizer}) for k, (m, opt, files) in components.items()}
     model, optimizer, hf_files = parts.pop("")
     keep = run.cfg.trainer.max_ckpt_to_keep
@@ -341,6 +346,8 @@ def close(run: Run, engine: rollout.Engine | None) -> None:
     if run.logger is not None:
         run.logger.close()
     run.scorer.shutdown(wait=True)
+    if run.ahead is not None:  # a generation still running (the step failed) finishes before the engine stops
+        run.ahead.thread.shutdown(wait=True, cancel_futures=True)
     run.pool.close()
     if engine is not None:
         engine.shutdown()
@@ -381,6 +388,67 @@ def generate(
     for s in samples:
         s.group -= mine.start
     return samples, prompts[mine]
+
+
+class RolloutAhead:
+    """rollout.async_steps=1: one-step off-policy rollouts (RolloutConfig.async_steps says what it changes).
+
+    `take(step)` returns the step's rollouts: the ones `start(step)` began in the background during the previous
+    step, or, when none was started (the first step, the first after a resume), generated now. `start(step + 1)`
+    draws the next batch's prompts and generates them in a background thread with the engine's current weights
+    while this step trains; `wait()` joins it before the push changes those weights.
+    """
+
+    def __init__(self, run: Run, engine: rollout.Engine) -> None:
+        if run.tp != 1:
+            raise SystemExit(
+                f"error: rollout.async_steps=1 needs rollout.tensor_model_parallel_size=1 (got {run.tp}): a "
+                "tensor-parallel engine's collectives would run beside the trainer's in another thread"
+            )
+        self.run, self.engine = run, engine
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatrl-rollout")
+        self.future: concurrent.futures.Future | None = None
+        self.position: dict | None = None  # the sampler's state before the batch drawn ahead (rl.save)
+        self.stale = False  # whether the last batch taken came from weights one update old
+        self.seconds = 0.0  # the background generation's own time (perf/gen_ahead_s)
+
+    def take(self, step: int) -> tuple[list[actor.Sample], list[dict]]:
+        """Step `step`'s (0-based) samples and prompts, as `generate` returns them."""
+        if self.future is None:
+            self.stale = False
+            prompts, mine = self.run.next_prompts()
+            return generate(self.run, self.engine, prompts, mine, step)
+        out, self.future, self.position, self.stale = self.future.result(), None, None, True
+        return out
+
+    def start(self, step: int) -> None:
+        """Draws step `step`'s prompts and starts generating their rollouts in the background."""
+        self.position = self.run.sampler.state_dict()
+        prompts, mine = self.run.next_prompts()
+        device = self.run.dist.device
+
+        def job() -> tuple[list[actor.Sample], list[dict]]:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            begin = time.perf_counter()
+            out = generate(self.run, self.engine, prompts, mine, step)
+            self.seconds = time.perf_counter() - begin
+            return out
+
+        self.future = self.thread.submit(job)
+
+    def wait(self) -> dict[str, float]:
+        """Blocks until the background generation is done (it raises here what it raised); its metrics."""
+        if self.future is None:
+            return {}
+        try:
+            self.future.result(timeout=self.run.cfg.rollout.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"rollout: the background generate did not finish within "
+                f"rollout.timeout_s={self.run.cfg.rollout.timeout_s:.0f}s"
+            ) from None
+        return {"perf/gen_ahead_s": self.seconds}
 
 
 def score(pool: reward_pool.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:

@@ -165,6 +165,16 @@ class RolloutConfig:
     by name-called worker methods (`vllm_worker.WorkerExtension`): bytes over vLLM's socket on CPU, a shared CUDA buffer
     on GPU (untested). A seeded generate() uses per-request seeds (as per_request_seeds=True): with the engine in
     another process a per-call seed does not repeat. One rank, tensor_model_parallel_size 1 only."""
+    async_steps: Literal[0, 1] = 0
+    """grpo.py: 0 (default) generates each step's rollouts with the weights just pushed, then sleeps the engine
+    while the trainer runs. 1: one-step off-policy, as verl's one-step-off-policy recipe: step k+1's rollouts are
+    generated in a background thread, with step k's weights, while step k's logprob passes and update run, and the
+    push waits for them. The engine then never sleeps (it must fit beside the update: lower
+    gpu_memory_utilization), old logprobs come from the trainer's current weights as in any step, and
+    algorithm.rollout_is_threshold corrects for the stale sampler with the engine's logprobs. The push check runs
+    on the first step only (later batches come from weights one update old). tensor_model_parallel_size 1 only;
+    pays where generation leaves the GPU idle (host-bound decoding: small models), with engine_process=True so
+    the engine's Python does not share this process's interpreter lock. Not yet measured on a GPU."""
     ignore_eos: bool = False
     """vllm engine: generate max_tokens for every response even past eos (a benchmarking aid: fixed lengths)."""
     timeout_s: Annotated[float, config.TIMEOUT] = 600.0
@@ -292,6 +302,15 @@ def deadline(what: str, timeout_s: float) -> Iterator[None]:
     the block owns it. An interrupt that the block swallowed (one landing in a finalizer is only printed) still
     ends in the TimeoutError when the block returns; one still pending then is taken here, not left to land later.
     """
+    if threading.current_thread() is not threading.main_thread():
+        # A background call (rollout.async_steps=1): an interrupt would land in the main thread's training, so only
+        # the hard-exit watchdog guards it; the main thread waits on it under its own timeout (rl.RolloutAhead).
+        faulthandler.dump_traceback_later(timeout_s + _HARD_EXIT_GRACE_S, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        return
     lock, state = threading.Lock(), {"done": False, "fired": False}
 
     def fire() -> None:

@@ -89,6 +89,12 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     # four ranks: the sharded states shrink four times, the activations stay
     four = perf.plan(_plan_cfg(str(tmp_path)), world_size=4, device_total=140 * GiB).phases["update"]
     assert four["optimizer"] == 2 * P and four["activations"] == up["activations"]
+    # one-step off-policy rollouts: the engine stays awake through the update, so its whole budget counts there
+    cfg = _plan_cfg(str(tmp_path))
+    cfg.rollout = dataclasses.replace(cfg.rollout, async_steps=1)
+    awake = perf.plan(cfg, world_size=1, device_total=140 * GiB).phases["update"]
+    assert awake["engine asleep"] == 0.5 * 140 * GiB
+    assert sum(awake.values()) - sum(up.values()) == 0.5 * 140 * GiB - perf.ENGINE_ASLEEP_BYTES
 
 
 def test_phase_timer_adds_up_and_pops_memory_metrics_only_on_cuda():

@@ -1,0 +1,104 @@
+"""rollout.async_steps=1 (one-step off-policy rollouts) in grpo.py, on the toy with the hf engine, one rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import grpo
+import rl
+import rollout
+
+torch.set_num_threads(1)
+GENERATE = rl.generate  # the unpatched function: each run wraps this one, not the last run's wrapper
+
+
+def _run(toy_dir, run_dir, monkeypatch, *, async_steps: int, lr: float, steps: int = 3, **trainer_kw) -> dict:
+    """grpo.main on the toy (hf engine, 4 prompts x 2, 8 tokens); returns {"responses": {step: [ids...]}
+    (every rollout batch generated, by the step it trains), "rows": metrics.jsonl's lines}."""
+    responses: dict[int, list[list[int]]] = {}
+
+    def recording(run, engine, prompts, mine, step):
+        samples, mine_prompts = GENERATE(run, engine, prompts, mine, step)
+        responses[step] = [s.response_ids for s in samples]
+        return samples, mine_prompts
+
+    monkeypatch.setattr(rl, "generate", recording)
+    fn = (
+        run_dir.parent / "length_reward.py"
+    )  # varies within a group, so the advantages (and updates) are not 0
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return float(len(solution_str) % 3)\n")  # fmt: skip
+    cfg = grpo.GRPOConfig(
+        data=rl.RLDataConfig(
+            train_files=str(toy_dir / "rl/train.parquet"),
+            val_files=None,
+            train_batch_size=4,
+            max_prompt_length=32,
+            max_response_length=8,
+        ),
+        model=grpo.actor.ModelConfig(path=str(toy_dir / "model")),
+        actor=grpo.actor.ActorConfig(
+            ppo_mini_batch_size=4, optim=grpo.optim.OptimConfig(lr=lr, weight_decay=0.0)
+        ),
+        rollout=rollout.RolloutConfig(name="hf", n=2, async_steps=async_steps),
+        custom_reward_function=rl.RewardConfig(path=str(fn), num_workers=0),
+        trainer=rl.RLTrainerConfig(
+            default_local_dir=str(run_dir),
+            total_training_steps=steps,
+            logger=["jsonl"],
+            **({"save_freq": -1} | trainer_kw),
+        ),
+    )
+    grpo.main(cfg)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return {"responses": responses, "rows": [r for r in rows if "timing_s/step" in r]}
+
+
+def test_async_rollouts_come_from_the_weights_one_update_old(one_rank, toy_dir, tmp_path, monkeypatch):
+    """Step 2's rollouts of an async run are token for token those of a run whose weights never move (lr 0: every
+    batch from the initial weights), while a synchronous run's step 2 differs from both (it samples from the
+    updated weights); step 1 is the same in all three. Steps 2-3 log staleness 1 and the one-update policy
+    difference instead of the push check."""
+    frozen = _run(toy_dir, tmp_path / "frozen", monkeypatch, async_steps=0, lr=1e-12)
+    sync = _run(toy_dir, tmp_path / "sync", monkeypatch, async_steps=0, lr=5e-2)
+    ahead = _run(toy_dir, tmp_path / "async", monkeypatch, async_steps=1, lr=5e-2)
+    assert ahead["responses"][0] == sync["responses"][0] == frozen["responses"][0]
+    assert ahead["responses"][1] == frozen["responses"][1]
+    assert sync["responses"][1] != frozen["responses"][1]  # the sync run's step 2 sampled from new weights
+    assert ahead["responses"][2] != frozen["responses"][2]  # step 3 from the weights after one update
+    staleness = [r["rollout/staleness"] for r in ahead["rows"]]
+    assert staleness == [0.0, 1.0, 1.0]
+    assert "rollout/logprob_diff_mean" in ahead["rows"][0]  # the push check, on the fresh first batch
+    assert ahead["rows"][0]["rollout/logprob_diff_mean"] < 1e-4
+    for r in ahead["rows"][1:]:
+        assert "rollout/logprob_diff_mean" not in r and r["rollout/offpolicy_diff_mean"] > 1e-4
+    assert "perf/gen_ahead_s" in ahead["rows"][0] and "perf/gen_ahead_s" not in ahead["rows"][-1]
+    rewards = lambda run: [r["reward/mean"] for r in run["rows"]]  # noqa: E731
+    assert rewards(ahead)[:2] == rewards(frozen)[:2]
+
+
+def test_async_checkpoint_keeps_the_batch_drawn_ahead(one_rank, toy_dir, tmp_path, monkeypatch):
+    """A checkpoint after step 2 of an async run records the data position after step 2's batch, not after the
+    batch drawn ahead for step 3, so resuming from it trains step 3 on the same prompts as an uninterrupted run."""
+    _run(toy_dir, tmp_path / "async", monkeypatch, async_steps=1, lr=5e-2, save_freq=2)
+    _run(toy_dir, tmp_path / "sync", monkeypatch, async_steps=0, lr=5e-2, save_freq=2)
+    state = lambda d: json.loads(  # noqa: E731
+        next((d / "global_step_2").glob("**/trainer_state.json")).read_text()
+    )
+    assert (
+        state(tmp_path / "async")["sampler"]
+        == state(tmp_path / "sync")["sampler"]
+        == {"epoch": 0, "batch": 2}
+    )
+
+
+def test_async_is_refused_where_it_does_not_apply(one_rank, toy_dir, tmp_path):
+    """ppo.py refuses rollout.async_steps=1 by name."""
+    import ppo
+
+    cfg = ppo.PPOConfig(rollout=rollout.RolloutConfig(name="hf", async_steps=1))
+    with pytest.raises(SystemExit, match="rollout.async_steps=1"):
+        ppo.main(cfg)
