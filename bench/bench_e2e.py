@@ -756,7 +756,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.token_budget = 2, args.token_budget or 512
     shape = args.model if args.model in TOKEN_BUDGET else None
     args.token_budget = args.token_budget or TOKEN_BUDGET[shape]
-    args.trl_per_device_batch = args.trl_per_device_batch or TRL_BATCH[shape]
+    args.trl_per_device_batch = args.trl_per_device_batch or min(TRL_BATCH[shape], args.num_prompts * args.n)
     if (args.num_prompts * args.n) % args.trl_per_device_batch:
         p.error(
             f"--trl-per-device-batch {args.trl_per_device_batch} must divide --num-prompts x --n = "
