@@ -16,14 +16,16 @@ reward stay as above (256 + 512: GSM8K's prompts fit 256 tokens, and 512 was tha
 The step time is the median of the steps after the first (flatrl: metrics.jsonl timing_s/step; TRL: the time
 between optimizer-step ends); the first step is reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
-  `--token-budget` tokens, no gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
+  `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), no
+  gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
   sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
   process unless `--engine-process`, one seed per call unless `--per-request-seeds`), `rollout.ignore_eos` for
   fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
-  autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch 16 x
-  gradient accumulation (n x prompts / 16), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
+  autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch
+  `--trl-per-device-batch` (16 sequences; 64 at smollm2, 49k tokens padded, near flatrl's budget) x gradient
+  accumulation (n x prompts / that), `generation_kwargs={"ignore_eos": True}` when TRL has that field.
 - verl 0.9.1 (bench/e2e_verl.py; the payload from bench/build_verl_payload.sh, unpacked by
   bench/verl_device_install.sh into `--verl-site`, first on the verl subprocess's PYTHONPATH only): FSDP2, vLLM
   rollout, `rollout.ignore_eos`, verl's defaults elsewhere (gradient checkpointing on); its own `timing_s/*` and
@@ -46,6 +48,12 @@ reward phase with 11.6 GiB of the device in use).
     python bench/bench_e2e.py --model 0.5b --peers verl --out $OUT/e2e_verl.json   # H200: not yet run
     python bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --peers trl,verl --out $OUT/e2e_smollm2.json
     python bench/bench_e2e.py --toy --out /tmp/e2e_toy.json          # CPU: ~1 min, flatrl only
+    python bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --skip-flatrl --peers verl --out ...
+
+--out is written after each framework (those not run yet marked "pending", the one running "running"), and again
+when one fails or the process gets SIGTERM (`timeout` ending a device call): what finished is never lost.
+`--skip-flatrl` runs the peers alone; `--flatrl-from JSON` takes flatrl's figures from an earlier --out of the same
+shape, so the ratios still come out.
 """
 
 from __future__ import annotations
@@ -57,12 +65,14 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import common
@@ -318,8 +328,8 @@ def trl_kwargs(args: argparse.Namespace) -> dict:
     batch = args.num_prompts * args.n
     return dict(
         output_dir=f"{args.workdir}/trl_run",
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=batch // 16,
+        per_device_train_batch_size=args.trl_per_device_batch,
+        gradient_accumulation_steps=batch // args.trl_per_device_batch,
         num_generations=args.n,
         max_completion_length=args.response_len,
         max_prompt_length=args.prompt_len,
@@ -466,11 +476,23 @@ def worker_argv(args: argparse.Namespace, model: str, data: str, work: str, out:
         "--prompt-len": args.prompt_len,
         "--response-len": args.response_len,
         "--gpu-memory-utilization": args.gpu_memory_utilization,
+        "--trl-per-device-batch": args.trl_per_device_batch,
     }
     return [str(x) for flag_value in flags.items() for x in flag_value]
 
 
+class Terminated(BaseException):
+    """SIGTERM (`timeout` ending the device call): raised where the bench waits, so the JSON is written first."""
+
+
+def on_sigterm(signum: int, frame) -> None:
+    raise Terminated("SIGTERM")
+
+
 def main(args: argparse.Namespace) -> dict:
+    """Runs flatrl (unless skipped or taken from --flatrl-from) then each peer, and writes --out after each one, the
+    frameworks not yet run marked pending: a call ended by its time limit still leaves what finished."""
+    signal.signal(signal.SIGTERM, on_sigterm)
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
     if args.model == "smollm2":
         model = str(Path(args.model_path).resolve())
@@ -484,48 +506,88 @@ def main(args: argparse.Namespace) -> dict:
         words = args.model == "smollm2"
         data = str(write_prompts(Path(work, "prompts.parquet"), rows, args.prompt_len, words=words))
         check_prompts(model, data, args.prompt_len)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    flatrl = run_flatrl(args, model, data, work)
-    print("flatrl", flatrl, flush=True)
-    peers = {}
-    for peer in ("trl", "verl"):
-        if peer not in args.peers:
-            peers[peer] = {"skipped": f"not in --peers {','.join(args.peers)}"}
-            continue
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        peers[peer] = (
-            run_trl(args, model, data, work) if peer == "trl" else e2e_verl.run(args, model, data, work)
-        )
-        print(peer, peers[peer], flush=True)
-    trl, verl = peers["trl"], peers["verl"]
-    samples = args.num_prompts * args.n
-    for r in (flatrl, trl, verl):
-        if "step_s" in r:
-            r["samples_per_hour"] = samples / r["step_s"] * 3600
     result = {
         "bench": "e2e",
         "model": args.model,
         "settings": {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "response_len", "steps")}
         | {"trl_steps": args.trl_steps, "verl_steps": args.verl_steps, "peers": args.peers,
            "gpu_memory_utilization": args.gpu_memory_utilization, "token_budget": args.token_budget,
+           "trl_per_device_batch": args.trl_per_device_batch,
            "flatrl_gradient_checkpointing": args.gradient_checkpointing,
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
+           "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "timeout_s": args.timeout_s,
            "verl_override": args.verl_override,
            "model_path": args.model_path, "lora": args.lora},
-        "flatrl": flatrl,
-        "trl": trl,
-        "verl": verl,
-        "ratios": ratios(flatrl, trl, verl),
+        "flatrl": {"pending": "runs first"},
+        "trl": {"pending": "runs after flatrl"},
+        "verl": {"pending": "runs after TRL"},
+        "ratios": None,
         # issue 21: step time <= 0.4x TRL's and <= 0.7x verl's; peak device memory <= the lower peer's
         # (at the 135M LoRA shape the step-time target against TRL is 0.5)
         "targets": {"flatrl_vs_trl_step_time": 0.5 if args.model == "smollm2" else 0.4,
                     "flatrl_vs_verl_step_time": 0.7, "flatrl_vs_lower_peer_peak_device_used": 1.0},
         "hardware": common.hardware(),
     }  # fmt: skip
-    return common.emit(result, args.out)
+    if args.flatrl_from:
+        result["flatrl"] = args.flatrl_result
+    elif args.skip_flatrl:
+        result["flatrl"] = {"skipped": "--skip-flatrl: no flatrl figures, so no ratios"}
+    else:
+        run_framework("flatrl", lambda: run_flatrl(args, model, data, work), result, args.out)
+    for peer in ("trl", "verl"):
+        if peer not in args.peers:
+            result[peer] = {"skipped": f"not in --peers {','.join(args.peers)}"}
+            continue
+        run = (
+            (lambda: run_trl(args, model, data, work))
+            if peer == "trl"
+            else (lambda: e2e_verl.run(args, model, data, work))
+        )
+        run_framework(peer, run, result, args.out)
+    write_json(result, args.out)
+    print(json.dumps(result, default=float), flush=True)
+    return result
+
+
+def run_framework(name: str, run, result: dict, out: str | None) -> None:
+    """result[name] = run(), its samples per hour and the ratios so far, then --out rewritten. An exception becomes
+    the framework's error (the next one still runs); an interruption (Terminated, Ctrl-C) is written, then raised."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    result[name] = {"running": f"since {time.strftime('%H:%M:%S')}"}
+    write_json(result, out)
+    t0 = time.perf_counter()
+    try:
+        r = run()
+    except BaseException as e:
+        r = getattr(e, "result", None) or {"error": f"{type(e).__name__}: {e}"}
+        r |= {"after_s": round(time.perf_counter() - t0, 1), "traceback": traceback.format_exc()[-3000:]}
+        if not isinstance(e, Exception):
+            r["error"] = f"interrupted: {r['error']}"
+            result[name] = r
+            write_json(result, out)
+            raise
+    if "step_s" in r:
+        r["samples_per_hour"] = (
+            result["settings"]["num_prompts"] * result["settings"]["n"] / r["step_s"] * 3600
+        )
+    result[name] = r
+    print(name, r, flush=True)
+    write_json(result, out)
+
+
+def write_json(result: dict, out: str | None) -> None:
+    """The result with the ratios of what has run so far into `out`, whole or not at all (a temporary file renamed
+    over it): a kill mid-write leaves the previous version."""
+    result["ratios"] = ratios(result["flatrl"], result["trl"], result["verl"])
+    if not out:
+        return
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, default=float) + "\n")
+    os.replace(tmp, path)
 
 
 def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
@@ -554,6 +616,35 @@ def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
     return out
 
 
+# Tokens per update micro-batch, and TRL's sequences per micro-batch, by shape (None: the random-init Qwen shapes).
+# smollm2: configs/grpo_*_smollm2.yaml's ppo_max_token_len_per_gpu; bench_update measured 78k tok/s there on the
+# H200 against 36k tok/s for bench_e2e's flatrl update at 16,384. 64 x (256 + 512) = 49,152 tokens for TRL.
+TOKEN_BUDGET = {"smollm2": 65536, None: 16384}
+TRL_BATCH = {"smollm2": 64, None: 16}
+# The settings an earlier flatrl result must share with this run for --flatrl-from.
+SAME = ("num_prompts", "n", "prompt_len", "response_len")
+
+
+def earlier_flatrl(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
+    """flatrl's result in the --flatrl-from JSON (an earlier bench_e2e --out), checked against this run's shape."""
+    path = args.flatrl_from
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--flatrl-from {path}: not a readable JSON file ({e})")
+    flatrl = earlier.get("flatrl") if isinstance(earlier, dict) else None
+    if not isinstance(flatrl, dict) or "step_s" not in flatrl:
+        p.error(f"--flatrl-from {path}: its 'flatrl' has no step_s (it holds {str(flatrl)[:200]})")
+    theirs = {"model": earlier.get("model")} | {k: earlier.get("settings", {}).get(k) for k in SAME}
+    ours = {"model": args.model} | {k: getattr(args, k) for k in SAME}
+    diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+    if diff:
+        p.error(f"--flatrl-from {path}: ran other settings, (file, this run): {diff}")
+    commit = earlier.get("hardware", {}).get("commit")
+    token_budget = earlier.get("settings", {}).get("token_budget")
+    return flatrl | {"from_file": path, "from_commit": commit, "from_token_budget": token_budget}
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -570,7 +661,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--response-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=4, help="flatrl steps (the first is reported apart)")
     p.add_argument("--trl-steps", type=int, default=3)
-    p.add_argument("--token-budget", type=int, default=16384, help="flatrl: actor.ppo_max_token_len_per_gpu")
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per micro-batch of the update, flatrl's actor.ppo_max_token_len_per_gpu and verl's; default "
+        f"{TOKEN_BUDGET['smollm2']} at --model smollm2 (configs/grpo_*_smollm2.yaml's value), {TOKEN_BUDGET[None]} "
+        "at the Qwen shapes",
+    )
+    p.add_argument(
+        "--trl-per-device-batch",
+        type=int,
+        default=None,
+        help="TRL's per_device_train_batch_size, sequences per micro-batch (gradient accumulation makes up "
+        f"num-prompts x n); default {TRL_BATCH['smollm2']} at --model smollm2 (x 768 tokens, padded: near "
+        f"flatrl's token budget), {TRL_BATCH[None]} at the Qwen shapes",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share, both frameworks")
     p.add_argument(
         "--gradient-checkpointing", action="store_true",
@@ -600,6 +706,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "cannot run; all three at 0.5B take more than one 10-minute device call)",
     )
     p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
+    p.add_argument(
+        "--skip-flatrl",
+        action="store_true",
+        help="run the peers only (flatrl's ~3 min on the device spared); the ratios are then None",
+    )
+    p.add_argument(
+        "--flatrl-from",
+        default=None,
+        metavar="JSON",
+        help="take flatrl's result from an earlier --out of the same --model, batch and lengths instead of running it",
+    )
     p.add_argument(
         "--verl-steps", type=int, default=3, help="verl steps (the first is reported apart), as TRL's"
     )
@@ -636,7 +753,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.peers = [x for x in args.peers if x != "trl"]
     if args.toy:
         args.model, args.num_prompts, args.n, args.prompt_len, args.response_len = "toy", 4, 2, 32, 8
-        args.steps, args.token_budget = 2, 512
+        args.steps, args.token_budget = 2, args.token_budget or 512
+    shape = args.model if args.model in TOKEN_BUDGET else None
+    args.token_budget = args.token_budget or TOKEN_BUDGET[shape]
+    args.trl_per_device_batch = args.trl_per_device_batch or min(TRL_BATCH[shape], args.num_prompts * args.n)
+    if (args.num_prompts * args.n) % args.trl_per_device_batch:
+        p.error(
+            f"--trl-per-device-batch {args.trl_per_device_batch} must divide --num-prompts x --n = "
+            f"{args.num_prompts * args.n} (TRL accumulates whole micro-batches to one step)"
+        )
+    if args.skip_flatrl and args.flatrl_from:
+        p.error(
+            "--skip-flatrl and --flatrl-from: pass one (--flatrl-from takes flatrl's figures from the file)"
+        )
+    args.flatrl_result = earlier_flatrl(args, p) if args.flatrl_from and args.worker is None else None
     if args.worker is None and args.model != "smollm2" and args.model_path:
         p.error(
             f"--model-path {args.model_path}: only --model smollm2 takes a folder (--model {args.model} is built)"

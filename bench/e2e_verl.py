@@ -26,6 +26,12 @@ logs no device-wide figure, so the device's used memory (total minus free, all p
 every 0.25 s: `peak_device_used_gib` over the training steps (from the first step's start to the last step's
 log line), `peak_device_used_run_gib` over the whole subprocess (start-up, vLLM's profiling and graph capture
 included).
+
+A run that times out (or is interrupted) says where it waited before it is ended: every Python process of the run
+dumps its threads' stacks on SIGUSR1 (bench/verl_no_trl/sitecustomize.py registers faulthandler where
+FLATRL_VERL_STACKS names a folder), and the result's `stall` holds their innermost frames, the tails of Ray's
+newest logs and when the console last moved. Then every process whose environment carries the run's
+FLATRL_VERL_STACKS is killed, Ray's raylet and GCS included (they run in sessions of their own).
 """
 
 from __future__ import annotations
@@ -33,17 +39,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REWARD = BENCH / "e2e_reward.py"
 NO_TRL = BENCH / "verl_no_trl"
+# The folder where verl's processes write their stacks on SIGUSR1 (bench/verl_no_trl/sitecustomize.py); set for
+# main_ppo alone, so its entry in a process's environment marks that process as one of the run's.
+STACKS_ENV = "FLATRL_VERL_STACKS"
+RAY_LOGS = Path("/tmp/ray/session_latest/logs")  # Ray's default temp dir: verl's ray.init sets none
 # The chat template verl applies to every prompt: the message content alone, no role markers, no generation
 # prompt (flatrl's `apply_chat_template: false`). `m.content` rather than `m['content']`: no quotes to escape
 # inside a Hydra override.
@@ -152,6 +164,14 @@ def env(args, run_dir: str) -> dict[str, str]:
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # flatrl's in-process setting; verl's server runs its own
     e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried
     e["PYTHONUNBUFFERED"] = "1"
+    # verl's Ray runtime env sets VLLM_LOGGING_LEVEL=WARN unless the launching shell sets it
+    # (verl/trainer/constants_ppo.py get_ppo_ray_runtime_env drops every key already in os.environ): at WARN the
+    # vLLM server's start-up (engine process, weights, memory profile, torch.compile, CUDA graphs) prints nothing,
+    # and the H200 run at d146e60 went silent for its last 80 s there or just before. INFO says where it is.
+    e.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    e.setdefault("RAY_DEDUP_LOGS", "0")  # every process's lines, not the first one of each pattern
+    # The model is a local folder and the device has no network: no hub look-up, however quick to fail.
+    e.setdefault("HF_HUB_OFFLINE", "1")
     return e
 
 
@@ -291,7 +311,9 @@ def available(args) -> str | None:
 
 
 def run(args, model: str, data: str, work: str) -> dict:
-    """verl's main_ppo in a subprocess; its metrics and the sampled device memory as bench_e2e's result dict."""
+    """verl's main_ppo in a subprocess; its metrics and the sampled device memory as bench_e2e's result dict.
+    An interruption (bench_e2e's SIGTERM handler, Ctrl-C) stops verl as a timeout does and goes on up, carrying
+    the result dict so far as the exception's `result`."""
     why = available(args)
     if why:
         return {"skipped": why}
@@ -306,23 +328,18 @@ def run(args, model: str, data: str, work: str) -> dict:
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, verl_data, run_dir)]
     log = Path(run_dir, "console.log")
     t0 = time.perf_counter()
-    with DeviceWatch(metrics) as watch, log.open("w") as out:
-        # Its own session, so that a timeout ends Ray's processes (raylet, workers, the vLLM server) too: left
-        # running, they would keep their GPU memory for the next call on the same machine.
-        proc = subprocess.Popen(
-            cmd,
-            cwd=run_dir,
-            env=env(args, run_dir),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    with DeviceWatch(metrics) as watch:
         try:
-            rc = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = f"timeout after {args.timeout_s:.0f} s"
+            rc, stall = supervise(cmd, env(args, run_dir), run_dir, log, args.timeout_s)
+        except BaseException as e:
+            wall = time.perf_counter() - t0
+            e.result = {  # type: ignore[attr-defined]
+                "error": f"verl's main_ppo interrupted ({type(e).__name__}: {e}) after {wall:.0f} s",
+                "tail": log.read_text(errors="replace")[-4000:] if log.is_file() else "",
+                "stall": getattr(e, "stall", None),
+                "command": cmd,
+            }
+            raise
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
     lines = metrics.read_text().splitlines() if metrics.is_file() else text.splitlines()
@@ -331,6 +348,7 @@ def run(args, model: str, data: str, work: str) -> dict:
         return {
             "error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
             "tail": text[-4000:],
+            "stall": stall,
             "command": cmd,
         }
     out = summarise(rows)
@@ -347,3 +365,189 @@ def run(args, model: str, data: str, work: str) -> dict:
         "command": cmd,
     }
     return out
+
+
+def supervise(
+    cmd: list[str], env: dict[str, str], run_dir: str, log: Path, timeout_s: float, dump_wait_s: float = 3.0
+) -> tuple[int | str, dict | None]:
+    """Runs `cmd` (verl's main_ppo, Ray inside) in its own session with its output in `log`, for at most
+    `timeout_s`; then ends every process of the run, Ray's daemons included. Returns (exit code, or "timeout
+    after N s"; where it stalled: None unless it timed out, see `stall`). On an interruption (any
+    BaseException while waiting) the same diagnosis is made, set as the exception's `stall`, and it goes on up.
+
+    The run's processes are found by FLATRL_VERL_STACKS=<run_dir>/stacks in their environment: Ray starts its
+    raylet and GCS in sessions of their own, so killing main_ppo's process group leaves them running, holding
+    their GPU memory for the next framework or the next call on the same machine."""
+    stacks = Path(run_dir, "stacks")
+    shutil.rmtree(stacks, ignore_errors=True)
+    stacks.mkdir(parents=True)
+    marker = f"{STACKS_ENV}={stacks}".encode()
+    started = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=run_dir,
+            env=env | {STACKS_ENV: str(stacks)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc: int | str = proc.wait(timeout=timeout_s)
+            stall = None
+        except BaseException as e:
+            timed_out = isinstance(e, subprocess.TimeoutExpired)
+            stall = stall_report(proc, marker, stacks, log, started, dump_wait_s)
+            if not timed_out:
+                e.stall = stall  # type: ignore[attr-defined]
+                raise
+            rc = f"timeout after {timeout_s:.0f} s"
+        finally:
+            left = kill_run(proc, marker)
+            if left:
+                print(f"e2e_verl: pids {left} of the verl run survived SIGKILL", file=sys.stderr, flush=True)
+    return rc, stall
+
+
+def stall_report(
+    proc: subprocess.Popen, marker: bytes, stacks: Path, log: Path, started: float, dump_wait_s: float
+) -> dict:
+    """Where a run that is still going waits: every Python process of the run (those with a file in `stacks` that
+    catch SIGUSR1: not a C++ daemon that Ray forked from Python) dumps its threads' stacks on SIGUSR1; after
+    `dump_wait_s` their innermost frames, the tails of Ray's newest logs, and when the console last moved."""
+    last = log.stat().st_mtime if log.is_file() else None
+    cmdlines = {}
+    for pid in sorted(set(marked_pids(marker)) | {proc.pid}):
+        if Path(stacks, f"{pid}.txt").is_file() and catches(pid, signal.SIGUSR1):
+            cmdlines[pid] = cmdline(pid)
+            with_signal(pid, signal.SIGUSR1)
+    signalled = time.time()
+    time.sleep(dump_wait_s)
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return {
+        "stacks": stack_summary(stacks, cmdlines),
+        "stacks_dir": str(stacks),
+        "signalled_pids": len(cmdlines),
+        "ray_logs": ray_log_tail(RAY_LOGS, started),
+        "last_console_line": lines[-1][-300:] if lines else None,
+        "last_console_output_s": round(last - started, 1) if last else None,  # seconds after the start
+        "silent_s": round(signalled - last, 1) if last else None,  # from then to the dumps
+    }
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether `pid` has a handler for `sig` (its SigCgt mask in /proc/<pid>/status): else the signal's default
+    action, for SIGUSR1 the end of the process, would apply."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(x.split()[1], 16) for x in status.splitlines() if x.startswith("SigCgt:")), 0)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def marked_pids(marker: bytes) -> list[int]:
+    """The live processes whose environment holds `marker` (an exact NAME=VALUE entry), this one excluded."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            environ = (d / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker in environ.split(b"\0"):
+            pids.append(int(d.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def with_signal(pid: int, sig: int) -> None:
+    """Sends `sig` to `pid`, which may have gone since it was listed."""
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cmdline(pid: int) -> str:
+    """The command line of `pid` on one line, 120 characters (Ray names its workers "ray::Class.method")."""
+    try:
+        return " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split())[:120]
+    except OSError:
+        return "?"
+
+
+def kill_run(proc: subprocess.Popen, marker: bytes, wait_s: float = 10.0) -> list[int]:
+    """SIGKILLs main_ppo's process group and every process that carries the run's `marker`, until none is left
+    (or `wait_s` passed); returns the pids that still ran after that (none, normally)."""
+    if proc.poll() is None:
+        with_signal(-proc.pid, signal.SIGKILL)  # its session's group: main_ppo and what it forked
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = [p for p in marked_pids(marker) if alive(p)]
+        for pid in pids:
+            with_signal(pid, signal.SIGKILL)
+        if (not pids and proc.poll() is not None) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    try:
+        proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:  # stuck in the kernel (a driver call): reported by the caller's checks
+        pass
+    return [p for p in pids if alive(p)]
+
+
+FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
+
+
+def stack_summary(stacks: Path, cmdlines: dict[int, str], frames: int = 4, limit: int = 6000) -> str:
+    """The dumps in `stacks` (faulthandler's format, most recent call first), shortened: per process its command
+    line and, per thread, the innermost `frames` frames as "function (file:line)" joined by " < "; processes whose
+    threads read the same are listed once with all their pids; those in verl or vLLM code first; `limit` chars."""
+    groups: dict[str, list[int]] = {}
+    for path in stacks.glob("*.txt"):
+        if not path.stem.isdigit():
+            continue
+        threads: list[list[str]] = []
+        for line in path.read_text(errors="replace").splitlines():
+            if line.rstrip().endswith("(most recent call first):"):
+                threads.append([])
+            elif threads and (m := FRAME.match(line)) and len(threads[-1]) < frames:
+                threads[-1].append(f"{m[3]} ({Path(m[1]).name}:{m[2]})")
+        if not threads:  # never signalled, or gone before it could write
+            continue
+        counts = Counter(" < ".join(t) or "(no Python frame)" for t in threads)
+        body = "\n".join(f"  {n}x {t}" if n > 1 else f"  {t}" for t, n in counts.items())
+        groups.setdefault(body, []).append(int(path.stem))
+    blocks = []
+    for body, pids in groups.items():
+        pids.sort()
+        head = f"pid {pids[0]}" if len(pids) == 1 else f"pids {','.join(map(str, pids))}"
+        blocks.append(f"{head} [{cmdlines.get(pids[0], '?')}]\n{body}")
+    blocks.sort(key=lambda b: ("verl" not in b and "vllm" not in b, b))
+    text = "\n".join(blocks)
+    return text if len(text) <= limit else text[:limit] + f"\n... ({len(text) - limit} more characters)"
+
+
+def ray_log_tail(logs: Path, since: float, files: int = 8, lines: int = 6, width: int = 300) -> str:
+    """The last `lines` lines of the `files` Ray logs (*.out, *.err, *.log) written last since `since` (epoch s)."""
+    try:
+        found = [p for p in logs.iterdir() if p.suffix in (".out", ".err", ".log") and p.is_file()]
+    except OSError:
+        return f"no Ray logs at {logs}"
+    found = [p for p in found if p.stat().st_size and p.stat().st_mtime >= since]
+    found.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    out = []
+    for p in found[:files]:
+        tail = p.read_bytes()[-20000:].decode(errors="replace").splitlines()[-lines:]
+        out.append(f"== {p.name}\n" + "\n".join(x[:width] for x in tail))
+    return "\n".join(out) or f"no Ray log written at {logs} since the start"

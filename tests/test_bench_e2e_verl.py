@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,49 @@ def test_plan_check_takes_the_engines_share_out_of_the_allocated_peak():
     assert check["gen"]["measured"] == pytest.approx(47.56, abs=0.01)
     assert check["gen"]["ratio"] == pytest.approx(0.99, abs=0.005)
     assert "old_logprob" not in check  # a phase the run did not time gets no row
+
+
+# A stand-in for verl's process tree: main_ppo (the "parent") starts a daemon in a session of its own, as Ray starts
+# its raylet and GCS; each waits in a function of its own. argv: role, run folder.
+FAKE_VERL = """
+import os, subprocess, sys, time
+role, run = sys.argv[1], sys.argv[2]
+
+def parent_waits_for_the_server():
+    time.sleep(120)
+
+def daemon_waits_for_a_resource():
+    time.sleep(120)
+
+if role == "parent":
+    subprocess.Popen([sys.executable, "-c", sys.argv[3], "daemon", run, sys.argv[3]], start_new_session=True)
+    while not os.path.exists(os.path.join(run, "daemon.pid")):
+        time.sleep(0.05)
+    open(os.path.join(run, "parent.pid"), "w").write(str(os.getpid()))
+    print("reward loop manager initialized", flush=True)
+    parent_waits_for_the_server()
+else:
+    open(os.path.join(run, "daemon.pid"), "w").write(str(os.getpid()))
+    daemon_waits_for_a_resource()
+"""
+
+
+def test_a_stalled_run_says_where_each_process_waits_and_leaves_none_running(tmp_path):
+    """verl went silent on the H200 and the bench's timeout killed its session's process group only: the run must
+    say where each of its processes waited (their stacks, dumped through bench/verl_no_trl/sitecustomize.py), and
+    end them all, the daemon in another session too."""
+    run = tmp_path / "run"
+    run.mkdir()
+    env = e2e_verl.env(argparse.Namespace(verl_site=str(tmp_path / "site")), str(run))
+    cmd = [sys.executable, "-c", FAKE_VERL, "parent", str(run), FAKE_VERL]
+    rc, stall = e2e_verl.supervise(cmd, env, str(run), run / "console.log", timeout_s=5, dump_wait_s=1)
+    assert rc == "timeout after 5 s"
+    pids = {role: int((run / f"{role}.pid").read_text()) for role in ("parent", "daemon")}
+    blocks = {
+        b.split()[0]: b for b in re.split(r"^pid ", stall["stacks"], flags=re.M)[1:]
+    }  # pid -> its block
+    assert "parent_waits_for_the_server (<string>:" in blocks[f"{pids['parent']}"], stall["stacks"]
+    assert "daemon_waits_for_a_resource (<string>:" in blocks[f"{pids['daemon']}"], stall["stacks"]
+    assert stall["signalled_pids"] == 2
+    assert stall["last_console_line"] == "reward loop manager initialized" and stall["silent_s"] > 2
+    assert not e2e_verl.alive(pids["parent"]) and not e2e_verl.alive(pids["daemon"])

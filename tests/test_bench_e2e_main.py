@@ -1,0 +1,109 @@
+"""bench_e2e.py's driver without a GPU: --out is rewritten after each framework (what has not run marked pending),
+when one raises, and when the process is terminated; --skip-flatrl and --flatrl-from spare flatrl's run; the
+update's micro-batch follows the shape (65,536 tokens, and 64 TRL sequences, at smollm2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_e2e  # noqa: E402
+import e2e_verl  # noqa: E402
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """main() without building a model, checking prompts or timing the host."""
+    monkeypatch.setattr(bench_e2e.common, "build_model", lambda shape, path: tmp_path / "model")
+    monkeypatch.setattr(bench_e2e, "check_prompts", lambda *a: None)
+    monkeypatch.setattr(bench_e2e.common, "hardware", lambda: {"gpu": None})
+    monkeypatch.setattr(bench_e2e.signal, "signal", lambda *a: None)  # pytest's own SIGTERM handling stays
+
+
+FLATRL = {"step_s": 10.0, "first_step_s": 12.0, "peak_device_used_gib": 40.0, "phases_s": {"gen": 6.0}}
+
+
+def test_what_finished_survives_a_failing_and_a_terminated_framework(tmp_path, monkeypatch, offline):
+    out = tmp_path / "e2e.json"
+    seen = {}
+
+    def trl_fails(*a):
+        seen["during_trl"] = json.loads(out.read_text())  # flatrl's result is on disk before TRL starts
+        raise RuntimeError("TRL's worker broke")
+
+    def verl_is_terminated(*a):
+        e = bench_e2e.Terminated("SIGTERM")
+        e.result = {
+            "error": "verl's main_ppo interrupted",
+            "stall": {"stacks": "pid 7 [ray::vLLMHttpServer]"},
+        }
+        raise e
+
+    monkeypatch.setattr(bench_e2e, "run_flatrl", lambda *a: dict(FLATRL))
+    monkeypatch.setattr(bench_e2e, "run_trl", trl_fails)
+    monkeypatch.setattr(e2e_verl, "run", verl_is_terminated)
+    args = bench_e2e.parse(
+        ["--model", "0.5b", "--peers", "trl,verl", "--workdir", str(tmp_path), "--out", str(out)]
+    )
+    with pytest.raises(bench_e2e.Terminated):
+        bench_e2e.main(args)
+    during = seen["during_trl"]
+    assert during["flatrl"]["step_s"] == 10.0 and during["flatrl"]["samples_per_hour"] == 64 * 8 / 10.0 * 3600
+    assert "running" in during["trl"] and "pending" in during["verl"]
+    r = json.loads(out.read_text())
+    assert r["flatrl"]["step_s"] == 10.0
+    assert r["trl"]["error"] == "RuntimeError: TRL's worker broke" and "trl_fails" in r["trl"]["traceback"]
+    assert r["verl"]["error"] == "interrupted: verl's main_ppo interrupted"
+    assert r["verl"]["stall"]["stacks"].startswith("pid 7")  # where verl waited, kept
+    assert r["ratios"]["flatrl_vs_trl_step_time"] is None and r["settings"]["token_budget"] == 16384
+
+
+def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offline, capsys):
+    monkeypatch.setattr(bench_e2e, "run_flatrl", lambda *a: pytest.fail("flatrl must not run"))
+    monkeypatch.setattr(bench_e2e, "run_trl", lambda *a: {"step_s": 25.0, "peak_device_used_gib": 50.0})
+    base = ["--model", "0.5b", "--workdir", str(tmp_path)]
+    r = bench_e2e.main(bench_e2e.parse([*base, "--skip-flatrl", "--out", str(tmp_path / "peers.json")]))
+    assert (
+        r["flatrl"]["skipped"].startswith("--skip-flatrl") and r["ratios"]["flatrl_vs_trl_step_time"] is None
+    )
+    assert r["trl"]["step_s"] == 25.0 and r["verl"]["skipped"] == "not in --peers trl"
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"model": "0.5b", "flatrl": FLATRL, "hardware": {"commit": "d146e60"},
+                                   "settings": {"num_prompts": 64, "n": 8, "prompt_len": 256, "response_len": 512,
+                                                "token_budget": 16384}}))  # fmt: skip
+    r = bench_e2e.main(bench_e2e.parse([*base, "--flatrl-from", str(earlier)]))
+    assert r["flatrl"]["from_file"] == str(earlier) and r["flatrl"]["from_commit"] == "d146e60"
+    assert r["ratios"]["flatrl_vs_trl_step_time"] == 0.4
+    with pytest.raises(SystemExit):
+        bench_e2e.parse([*base, "--n", "4", "--flatrl-from", str(earlier)])
+    assert "ran other settings, (file, this run): {'n': (8, 4)}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.parse([*base, "--flatrl-from", str(tmp_path / "none.json")])
+    assert "none.json: not a readable JSON file" in capsys.readouterr().err
+
+
+def test_micro_batches_follow_the_shape(tmp_path, capsys):
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):  # parse() only checks that they are there
+        (folder / name).write_text("{}")
+    args = bench_e2e.parse(["--model", "smollm2", "--model-path", str(folder)])
+    assert args.token_budget == 65536 and args.trl_per_device_batch == 64
+    worker = bench_e2e.parse(bench_e2e.worker_argv(args, str(folder), "/d.parquet", "/w", "/w/trl.json"))
+    kw = bench_e2e.trl_kwargs(worker)
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (64, 8)
+    kv = dict(o.lstrip("+").split("=", 1) for o in e2e_verl.overrides(args, "/m", "/d", "/run"))
+    assert kv["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "65536"
+    base = bench_e2e.parse(["--model", "0.5b"])
+    assert base.token_budget == 16384 and base.trl_per_device_batch == 16
+    assert bench_e2e.parse(["--model", "0.5b", "--token-budget", "32768"]).token_budget == 32768
+    with pytest.raises(SystemExit):
+        bench_e2e.parse(["--model", "0.5b", "--trl-per-device-batch", "48"])  # 512 sequences are not 48s
+    assert "must divide --num-prompts x --n = 512" in capsys.readouterr().err
