@@ -19,7 +19,8 @@ between optimizer-step ends); the first step is reported apart (first-call costs
   `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), no
   gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
   sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
-  process unless `--engine-process`, one seed per call unless `--per-request-seeds`), `rollout.ignore_eos` for
+  process unless `--engine-process`, one seed per call unless `--per-request-seeds`, rollouts of the weights
+  just pushed unless `--async-steps 1`), `rollout.ignore_eos` for
   fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
@@ -139,6 +140,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "n": args.n, "ignore_eos": True, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.toy or not torch.cuda.is_available(),  # CPU smoke runs: no graph capture
             "engine_process": args.engine_process, "per_request_seeds": args.per_request_seeds,
+            "async_steps": args.async_steps,
         },
         "custom_reward_function": {"path": str(REWARD), "num_workers": 0 if args.toy else 4},
         "trainer": {
@@ -192,6 +194,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
               for k in rows[-1] if k.startswith("timing_s/")}  # fmt: skip
+    # --async-steps 1: the background generation's own time (its exposed part is phases_s["gen_wait"])
+    ahead = [r["perf/gen_ahead_s"] for r in rows[1:] if r.get("perf/gen_ahead_s") is not None]
     memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
     for r in rows:
         for k, v in r.items():
@@ -206,6 +210,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "peak_device_used_gib": peak("_device_used_gb") if torch.cuda.is_available() else None,
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
         "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model), **sampled,
+        "gen_ahead_s": statistics.median(ahead) if ahead else None,
     }  # fmt: skip
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -264,7 +269,9 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
             fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
         ),
         actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
-        rollout=rollout.RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization),
+        rollout=rollout.RolloutConfig(
+            gpu_memory_utilization=args.gpu_memory_utilization, async_steps=args.async_steps
+        ),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
     )
     return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1).phases.items()}
@@ -516,6 +523,7 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_gradient_checkpointing": args.gradient_checkpointing,
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
+           "flatrl_async_steps": args.async_steps,
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "timeout_s": args.timeout_s,
            "verl_override": args.verl_override,
            "model_path": args.model_path, "lora": args.lora},
@@ -692,6 +700,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="flatrl with rollout.engine_process: vLLM's engine core in its own process instead of grpo.py's "
         "(its seeded rollouts use per-request seeds, so compare it with --per-request-seeds too)",
+    )
+    p.add_argument(
+        "--async-steps",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="flatrl with rollout.async_steps: 1 generates the next step's rollouts during this step's update "
+        "(one-step off-policy; the engine stays awake, so it needs the update's memory beside its own)",
     )
     p.add_argument(
         "--per-request-seeds",

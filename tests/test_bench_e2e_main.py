@@ -107,3 +107,16 @@ def test_micro_batches_follow_the_shape(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_e2e.parse(["--model", "0.5b", "--trl-per-device-batch", "48"])  # 512 sequences are not 48s
     assert "must divide --num-prompts x --n = 512" in capsys.readouterr().err
+
+
+def test_async_steps_reach_grpo_py_s_config(tmp_path):
+    """--async-steps 1 becomes rollout.async_steps in the generated grpo.py YAML, which grpo.py's parser takes."""
+    import config
+    import grpo
+
+    args = bench_e2e.parse(["--toy", "--async-steps", "1"])
+    path = bench_e2e.flatrl_config(
+        args, str(tmp_path / "m"), str(tmp_path / "d.parquet"), str(tmp_path / "run")
+    )
+    cfg = config.parse(grpo.GRPOConfig, ["--config", path])
+    assert cfg.rollout.async_steps == 1 and bench_e2e.parse(["--toy"]).async_steps == 0
