@@ -102,3 +102,23 @@ def test_async_is_refused_where_it_does_not_apply(one_rank, toy_dir, tmp_path):
     cfg = ppo.PPOConfig(rollout=rollout.RolloutConfig(name="hf", async_steps=1))
     with pytest.raises(SystemExit, match="rollout.async_steps=1"):
         ppo.main(cfg)
+
+
+@pytest.mark.slow
+def test_async_on_two_ranks(toy_dir, tmp_path):
+    """grpo.py on 2 gloo ranks with rollout.async_steps=1 (hf engine, each rank generating ahead in its own
+    thread beside the other rank's collectives): every step trains (weights move), steps 2-3 are one update old,
+    and the run ends with a complete checkpoint."""
+    from conftest import read_metrics, torchrun
+    from test_multinode import grpo_args
+
+    import checkpoint
+
+    args = grpo_args(toy_dir, tmp_path, **{"rollout.name": "hf", "rollout.async_steps": 1})
+    args += ["--trainer.total_training_steps", "3"]
+    torchrun("grpo.py", args, nproc=2)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-3 and all(r["actor/grad_norm"] > 0 for r in rows)
+    assert all(r["rollout/offpolicy_diff_mean"] > 0 for r in rows[1:])
+    assert checkpoint.checkpoint_problem(tmp_path / "run" / "global_step_3") is None
