@@ -282,16 +282,14 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 # 1-2. prompts, and rollout.n responses to each
                 with timer("gen"):
                     if ahead is None:
-                        prompts, mine = (
-                            run.next_prompts()
-                        )  # the engine's prompts; this rank trains on prompts[mine]
+                        # the engine's prompts; this rank trains on prompts[mine]
+                        prompts, mine = run.next_prompts()
                         samples, prompts = rl.generate(run, engine, prompts, mine, step)
                     else:  # generated during the last step (one update old), or now at the first
                         samples, prompts = ahead.take(step)
                 if ahead is not None and step + 1 < run.total_steps:
-                    ahead.start(
-                        step + 1
-                    )  # the next step's rollouts, with these weights, while this step trains
+                    # the next step's rollouts, with these weights, while this step trains
+                    ahead.start(step + 1)
                 # 3. scores, in the reward workers while the engine sleeps and the passes below run
                 scores = rl.score_in_background(run, samples, prompts)
                 if ahead is None:
@@ -313,10 +311,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
                     batch = (samples, len(prompts), cfg.actor, run.layout)
                     metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
-                stale = ahead is not None and ahead.stale
-                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale) | {
-                    "rollout/staleness": float(stale)
-                }
+                stale = ahead is not None and ahead.stale  # nothing to check: the batch is one update old
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale)
+                metrics["rollout/staleness"] = float(stale)
                 metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                 scheduler.step()
                 step += 1
