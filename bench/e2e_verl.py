@@ -126,6 +126,13 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
         "reward.custom_reward_function.name=compute_score",
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
+        # Ray's CPU tokens. With num_cpus null Ray counts the host's cores (16 on the lent H200), and verl 0.9.1
+        # asks for more actors of 1 CPU each than that on one GPU: the TaskRunner, TransferQueue's controller
+        # and 8 storage units, the actor's placement group {CPU: 3}, reward.num_workers=8 RewardLoopWorkers,
+        # the vLLMHttpServer and rollout.agent.num_workers=8 AgentLoopWorkers, 30 in all. The server then waits
+        # for a CPU that never frees, silently: the likely stall of d146e60's run. The tokens only schedule
+        # (these actors mostly wait), so 64 lets verl start as it would on a larger host.
+        "ray_kwargs.ray_init.num_cpus=64",
         f"trainer.total_training_steps={args.verl_steps}",
         "trainer.logger=[console,file]",
         "trainer.project_name=flatrl_bench",

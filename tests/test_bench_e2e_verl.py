@@ -154,6 +154,9 @@ def test_overrides_compose_with_verls_config(monkeypatch):
         cfg = compose("ppo_trainer", overrides=ov)  # an unknown key raises here
     assert OmegaConf.select(cfg, "actor_rollout_ref.rollout.prompt_length") == 256
     assert cfg.actor_rollout_ref.model.custom_chat_template == e2e_verl.RAW_TEMPLATE
+    # Ray's CPU tokens cover verl's 1-CPU actors (e2e_verl.overrides says which), or its vLLM server never starts
+    workers = cfg.reward.num_workers + cfg.actor_rollout_ref.rollout.agent.num_workers
+    assert 1 + 9 + 3 + workers + 1 <= cfg.ray_kwargs.ray_init.num_cpus == 64
 
 
 def test_verl_processes_do_not_see_trl(tmp_path, monkeypatch):
