@@ -114,6 +114,7 @@ def test_rl_close_writes_a_report(tmp_path):
             logger=None,
             pool=types.SimpleNamespace(close=lambda: closed.append("pool")),
             scorer=types.SimpleNamespace(shutdown=lambda wait: closed.append("scorer")),
+            ahead=None,
             dist=types.SimpleNamespace(rank=rank),
             run_dir=run_dir,
             cfg=grpo.GRPOConfig(trainer=rl.RLTrainerConfig(default_local_dir=str(run_dir))),
