@@ -629,6 +629,14 @@ def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
 # H200 against 36k tok/s for bench_e2e's flatrl update at 16,384. 64 x (256 + 512) = 49,152 tokens for TRL.
 TOKEN_BUDGET = {"smollm2": 65536, None: 16384}
 TRL_BATCH = {"smollm2": 64, None: 16}
+# flatrl's own flags (set or not), refused where flatrl does not run.
+FLATRL_ONLY = {
+    "--gradient-checkpointing": lambda a: a.gradient_checkpointing,
+    "--offload-optimizer": lambda a: a.offload_optimizer,
+    "--engine-process": lambda a: a.engine_process,
+    "--per-request-seeds": lambda a: a.per_request_seeds,
+    "--async-steps": lambda a: a.async_steps,
+}
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
 
@@ -648,7 +656,8 @@ def earlier_flatrl(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict
     diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
     if diff:
         p.error(f"--flatrl-from {path}: ran other settings, (file, this run): {diff}")
-    commit = earlier.get("hardware", {}).get("commit")
+    hardware = earlier.get("hardware")
+    commit = hardware.get("commit") if isinstance(hardware, dict) else earlier.get("commit")
     token_budget = earlier.get("settings", {}).get("token_budget")
     return flatrl | {"from_file": path, "from_commit": commit, "from_token_budget": token_budget}
 
@@ -782,6 +791,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             "--skip-flatrl and --flatrl-from: pass one (--flatrl-from takes flatrl's figures from the file)"
         )
+    if args.skip_flatrl or args.flatrl_from:  # flatrl does not run: its own flags would do nothing
+        given = [f for f, on in FLATRL_ONLY.items() if on(args)]
+        if given:
+            p.error(
+                f"{', '.join(given)}: flatrl's settings, and flatrl does not run (--skip-flatrl/--flatrl-from)"
+            )
     args.flatrl_result = earlier_flatrl(args, p) if args.flatrl_from and args.worker is None else None
     if args.worker is None and args.model != "smollm2" and args.model_path:
         p.error(

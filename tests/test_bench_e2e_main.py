@@ -87,6 +87,13 @@ def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offli
     with pytest.raises(SystemExit):
         bench_e2e.parse([*base, "--flatrl-from", str(tmp_path / "none.json")])
     assert "none.json: not a readable JSON file" in capsys.readouterr().err
+    # flatrl's own flags where flatrl does not run would do nothing: refused by name
+    with pytest.raises(SystemExit):
+        bench_e2e.parse([*base, "--skip-flatrl", "--async-steps", "1", "--engine-process"])
+    assert (
+        "--engine-process, --async-steps: flatrl's settings, and flatrl does not run"
+        in capsys.readouterr().err
+    )
 
 
 def test_micro_batches_follow_the_shape(tmp_path, capsys):
