@@ -25,6 +25,7 @@ Checkpoints (DCP save and load, the manifest, resume, RNG state) are in checkpoi
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -163,14 +164,15 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
+def run_main(main: Callable[[Any], dict[str, float]], cfg: Any, exit_on_error: bool = True) -> None:
     """Every trainer's `__main__`: runs main(cfg), prints rank 0's final metrics, and leaves the process group
     whether main returned or raised (a rank that exits without it can hang the others until their timeout).
 
     A finished run (main returned, or raised SystemExit: the SIGTERM stop's 143, `trainer.plan`'s 0) leaves
     through `close_distributed(finished=True)`, so the process exits with main's code and never aborts after
-    its last line. Any other exception leaves through `close_distributed(finished=False)` and propagates with
-    its traceback (exit code 1)."""
+    its last line. An Exception leaves through `close_distributed(finished=False)`, and then, with
+    exit_on_error, the process exits 1 after its traceback and atexit handlers (`exit_after_error`); without
+    it (in-process callers) the exception propagates. Other BaseExceptions (KeyboardInterrupt) propagate."""
     try:
         metrics = main(cfg)
         print0({k: round(v, 4) for k, v in metrics.items()})
@@ -183,10 +185,32 @@ def run_main(main: Callable[[Any], dict[str, float]], cfg: Any) -> None:
             )
             close_distributed(finished=False)
         raise
+    except Exception:
+        close_distributed(finished=False)
+        if not exit_on_error:
+            raise
+        exit_after_error()
     except BaseException:
         close_distributed(finished=False)
         raise
     close_distributed(finished=True)
+
+
+def exit_after_error() -> None:
+    """Ends a failed rank with exit code 1: prints the exception being handled as Python would (through
+    sys.excepthook, which torch prefixes with the rank), runs the atexit handlers (engine processes, loggers)
+    while Python is whole, and leaves with os._exit, skipping interpreter finalization.
+
+    Why: a failed run destroys its process group without the barrier (a peer may never join what is queued),
+    so the group, still held by DTensor's caches, keeps gloo's worker threads alive. One that touches Python
+    during finalization aborts the process ("terminate called without an active exception", exit -6 instead of
+    1): CI saw it once, on rank 1 of tests/test_teardown.py's raise mode. Joining the threads instead could wait
+    for the group's timeout on a live peer."""
+    sys.excepthook(*sys.exc_info())
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def close_distributed(finished: bool) -> None:

@@ -66,7 +66,7 @@ def test_run_main_keeps_exit_codes_and_ends_the_group_threads(tiny_qwen2, monkey
     assert stop.value.code == 143 and not dist.is_initialized()
 
     with pytest.raises(ValueError, match="trainer failed on purpose"):
-        fsdp.run_main(trainer, "error")
+        fsdp.run_main(trainer, "error", exit_on_error=False)
     assert not dist.is_initialized()
 
     # A stop whose orderly teardown fails (a peer died at the barrier): the group is still destroyed, the failure
@@ -120,14 +120,16 @@ def run_two_ranks(script: str, args: list[str], log: Path, limit_s: float = 120)
 @pytest.mark.slow
 def test_two_rank_exits_with_collectives_still_queued(tmp_path):
     """2 ranks, 200 all-reduces still queued when main returns: exit 0 on both ranks, 3 times out of 3 (with the
-    plain destroy_process_group, 18 of 20 such jobs had a rank abort). A raise and a SystemExit keep their codes."""
+    plain destroy_process_group, 18 of 20 such jobs had a rank abort). A raise exits 1 on both ranks, with each
+    rank's traceback, twice; a SystemExit keeps its code."""
     for i in range(3):
         log = tmp_path / f"inflight{i}.log"
         assert run_two_ranks("tests/teardown_job.py", ["inflight"], log) == [0, 0], log.read_text()[-3000:]
         assert "{'answer': 42.0}" in log.read_text()
-    log = tmp_path / "raise.log"
-    assert run_two_ranks("tests/teardown_job.py", ["raise"], log) == [1, 1], log.read_text()[-3000:]
-    assert log.read_text().count("ValueError: teardown_job: failed on purpose") == 2  # each rank's traceback
+    for i in range(2):  # CI once saw rank 1 abort (-6) here, before fsdp.exit_after_error
+        log = tmp_path / f"raise{i}.log"
+        assert run_two_ranks("tests/teardown_job.py", ["raise"], log) == [1, 1], log.read_text()[-3000:]
+        assert log.read_text().count("ValueError: teardown_job: failed on purpose") == 2  # a traceback a rank
     log = tmp_path / "exit143.log"
     assert run_two_ranks("tests/teardown_job.py", ["exit143"], log) == [143, 143], log.read_text()[-3000:]
 
