@@ -57,8 +57,39 @@ def build(
     """AdamW over the trainable `params` and its LambdaLR schedule."""
     params = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    init_state(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
     return optimizer, scheduler
+
+
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the optimizer's state now (AdamW: zero moments, step 0), as its first step would have, so that
+    the training that follows is bit-identical to a lazily initialised run.
+
+    Why: AdamW creates its moments in its first step(), after the backward pass has freed the activations, so
+    the caching allocator places them inside the activations' large cached segments, which then can never be
+    returned to the driver (the engine's wake needs that memory). Created before the first forward, they sit
+    in segments of their own. How: one step with zero gradients at lr 0 (as torch's distributed checkpoint
+    does before loading an optimizer), which moves no weight, then the step count back to 0.
+    A no-op when the state exists or a gradient is already set."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
 
 
 def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:

@@ -649,6 +649,8 @@ def finish_step(
     ]
     if peaks:  # this step's peak: PhaseTimer resets the counters at every phase boundary
         metrics["perf/max_memory_allocated_gb"] = max(peaks)
+    if rollout.cache_kept_gb is not None:  # the trainer's cache the engine could not have at its wake
+        metrics["perf/memory/cache_kept_at_wake_gb"] = rollout.cache_kept_gb
     run.logger.log(metrics, step=step)
     if trainer.debug:  # verl's debug=true: memory and gradient norms on the console
         norms = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.endswith("/grad_norm"))

@@ -345,13 +345,21 @@ def deadline(what: str, timeout_s: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
+cache_kept_gb: float | None = None
+"""GiB of torch's cache that the last wake's empty_cache could not return (free blocks inside segments that also
+hold live tensors); logged as perf/memory/cache_kept_at_wake_gb. None before the first wake and on CPU."""
+
+
 def _release_cached_blocks() -> None:
     """Gives the blocks torch's caching allocator keeps after training (freed activations, logits) back to the
     device before vLLM wakes, so they are not held under the re-allocated KV cache: the e2e bench on the H200
     (0.5B, token budget 16384, vLLM's share 0.3) measured 91 GiB used right after the wake, against a 50 GiB
-    training peak and a 42 GiB vLLM share. The next training phase pays a few cudaMalloc calls again."""
+    training peak and a 42 GiB vLLM share. The next training phase pays a few cudaMalloc calls again.
+    What stays cached (reserved less allocated) goes to `cache_kept_gb`."""
+    global cache_kept_gb
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        cache_kept_gb = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**30
 
 
 @contextlib.contextmanager

@@ -211,6 +211,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
         "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model), **sampled,
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
+        "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
