@@ -670,7 +670,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="0.5b",
         choices=["toy", "0.5b", "1.5b", "smollm2"],
         help="random-init Qwen2.5 shapes (bench/common.py), or smollm2: the real SmolLM2-135M-Instruct at "
-        "--model-path with LoRA rank 32 and gradient checkpointing in every framework",
+        "--model-path with LoRA rank 32 and gradient checkpointing in every framework; toy: as --toy",
     )
     p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model and task, flatrl only")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -777,6 +777,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--peers: unknown {unknown}; allowed: trl, verl")
     if args.skip_trl:
         args.peers = [x for x in args.peers if x != "trl"]
+    args.toy = args.toy or args.model == "toy"  # `--model toy` is the CPU smoke run too, not its own shape
     if args.toy:
         args.model, args.num_prompts, args.n, args.prompt_len, args.response_len = "toy", 4, 2, 32, 8
         args.steps, args.token_budget = 2, args.token_budget or 512

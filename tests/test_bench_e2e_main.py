@@ -127,3 +127,11 @@ def test_async_steps_reach_grpo_py_s_config(tmp_path):
     )
     cfg = config.parse(grpo.GRPOConfig, ["--config", path])
     assert cfg.rollout.async_steps == 1 and bench_e2e.parse(["--toy"]).async_steps == 0
+
+
+def test_model_toy_is_the_toy_smoke_run():
+    """`--model toy` sets what `--toy` sets (it used to build the toy model at the 256-token prompt shape, which
+    its tokenizer cannot encode, and stop there)."""
+    toy, named = bench_e2e.parse(["--toy"]), bench_e2e.parse(["--model", "toy"])
+    assert named.toy and (named.num_prompts, named.n, named.prompt_len, named.response_len) == (4, 2, 32, 8)
+    assert vars(named) == vars(toy)
