@@ -90,6 +90,8 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
+    if torch.cuda.is_available():  # the zero gradients' memory, for the engine that starts next
+        torch.cuda.empty_cache()
 
 
 def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
