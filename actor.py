@@ -51,8 +51,10 @@ class ModelConfig:
     """Allow the model folder's own Python code to run (off: a downloaded model must not run code)."""
     attn_implementation: str = "sdpa"
     """transformers attention implementation used by the trainer."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass to save memory: on by default, as in verl and TRL (a command
+    sized for their memory fits here too). Off, every layer's activations stay: grpo.py's 0.5B update on the H200
+    took 5.1 s instead of 7.7, in 50 GiB of device memory instead of 25 (bench/README.md)."""
     use_remove_padding: bool = True
     """Pack sequences into one row per micro-batch (no padding tokens computed)."""
     lora_rank: Annotated[int, config.NON_NEGATIVE] = 0

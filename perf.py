@@ -408,15 +408,19 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         if cfg.actor.use_dynamic_bsz
         else "actor.ppo_micro_batch_size_per_gpu"
     )
+    ckpt = "" if cfg.model.enable_gradient_checkpointing else "--model.enable_gradient_checkpointing, or "
+    critic = getattr(cfg, "critic", None)
+    c_ckpt = ", or turn on --critic.model.enable_gradient_checkpointing"
     fixes = {
         "gen": "lower --rollout.gpu_memory_utilization or turn on "
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "old_logprob": f"lower --{budget}",
-        "update": f"lower --{budget}, or turn on --model.enable_gradient_checkpointing "
-        "(or --model.fsdp_config.cpu_offload, or raise --model.fsdp_config.ulysses_sequence_parallel_size)",
+        "update": f"lower --{budget}, or turn on {ckpt}--model.fsdp_config.cpu_offload, or raise "
+        "--model.fsdp_config.ulysses_sequence_parallel_size",
         "sync": "lower --rollout.gpu_memory_utilization or turn on "
         "--model.fsdp_config.offload_optimizer_in_rollout",
         "update_critic": "lower --critic.ppo_micro_batch_size_per_gpu (or --critic.ppo_max_token_len_per_gpu "
-        "with --critic.use_dynamic_bsz), or turn on --critic.model.enable_gradient_checkpointing",
+        "with --critic.use_dynamic_bsz)"
+        + (c_ckpt if critic is not None and not critic.model.enable_gradient_checkpointing else ""),
     }
     return Plan(_plan_phases(cfg, shape, world_size, device_total), device_total, fixes)

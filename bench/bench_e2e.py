@@ -16,8 +16,8 @@ reward stay as above (256 + 512: GSM8K's prompts fit 256 tokens, and 512 was tha
 The step time is the median of the steps after the first (flatrl: metrics.jsonl timing_s/step; TRL: the time
 between optimizer-step ends); the first step is reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
-  `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), no
-  gradient checkpointing unless `--gradient-checkpointing` or `--model smollm2`,
+  `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), gradient
+  checkpointing (flatrl's default, verl's and TRL's) unless `--no-gradient-checkpointing`,
   sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
   process unless `--engine-process`, one seed per call unless `--per-request-seeds`, rollouts of the weights
   just pushed unless `--async-steps 1`), `rollout.ignore_eos` for
@@ -632,7 +632,7 @@ TOKEN_BUDGET = {"smollm2": 65536, None: 16384}
 TRL_BATCH = {"smollm2": 64, None: 16}
 # flatrl's own flags (set or not), refused where flatrl does not run.
 FLATRL_ONLY = {
-    "--gradient-checkpointing": lambda a: a.gradient_checkpointing,
+    "--[no-]gradient-checkpointing": lambda a: a.gradient_checkpointing is not None,
     "--offload-optimizer": lambda a: a.offload_optimizer,
     "--engine-process": lambda a: a.engine_process,
     "--per-request-seeds": lambda a: a.per_request_seeds,
@@ -697,8 +697,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share, both frameworks")
     p.add_argument(
-        "--gradient-checkpointing", action="store_true",
-        help="flatrl with activation recomputation too, as the TRL run has it: the memory comparison at equal settings",
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+        help="flatrl's activation recomputation: on by default (flatrl's default, and TRL's and verl's setting here); "
+        "--no-gradient-checkpointing is the faster update that holds more memory (the README's 0.5B rows before "
+        "it became the default); smollm2 always has it",
     )  # fmt: skip
     p.add_argument(
         "--offload-optimizer", action="store_true",
@@ -815,7 +817,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             )
     # Derived from the shape, not flags: the real model runs LoRA with gradient checkpointing everywhere.
     args.lora = REAL_LORA if args.model == "smollm2" else None
-    args.gradient_checkpointing = args.gradient_checkpointing or args.model == "smollm2"
+    if args.model == "smollm2" and args.gradient_checkpointing is False:
+        p.error(
+            "--no-gradient-checkpointing: the smollm2 shape runs LoRA with gradient checkpointing everywhere"
+        )
+    args.gradient_checkpointing = args.gradient_checkpointing is not False
     return args
 
 

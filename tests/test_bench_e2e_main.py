@@ -94,6 +94,10 @@ def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offli
         "--engine-process, --async-steps: flatrl's settings, and flatrl does not run"
         in capsys.readouterr().err
     )
+    with pytest.raises(SystemExit):  # the default (on) is no flag; either form of it is
+        bench_e2e.parse([*base, "--skip-flatrl", "--no-gradient-checkpointing"])
+    assert "--[no-]gradient-checkpointing: flatrl's settings" in capsys.readouterr().err
+    assert bench_e2e.parse([*base, "--skip-flatrl"]).gradient_checkpointing  # no flag: nothing refused
 
 
 def test_micro_batches_follow_the_shape(tmp_path, capsys):

@@ -60,11 +60,14 @@ def test_word_prompts_are_prompt_len_tokens_of_the_real_tokenizer(smollm2, tmp_p
     assert len(ids["input_ids"] if hasattr(ids, "keys") else ids) == 256
 
 
-def test_shape_flags(smollm2, tmp_path):
+def test_shape_flags(smollm2, tmp_path, capsys):
     args = real_args(smollm2)
     assert args.lora == {"rank": 32, "alpha": 32, "target_modules": "all-linear"}
     assert args.gradient_checkpointing and args.prompt_len == 256 and args.response_len == 512
     assert bench_e2e.parse(["--model", "0.5b"]).lora is None
+    with pytest.raises(SystemExit):
+        real_args(smollm2, "--no-gradient-checkpointing")
+    assert "smollm2 shape runs LoRA with gradient checkpointing everywhere" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the real model needs its folder
         bench_e2e.parse(["--model", "smollm2"])
     with pytest.raises(SystemExit):  # a folder without config.json / tokenizer.json
@@ -85,9 +88,12 @@ def test_flatrl_yaml_has_lora_and_checkpointing(smollm2, tmp_path):
     assert m.enable_gradient_checkpointing and m.path == str(smollm2)
     assert cfg.rollout.n == 8 and cfg.data.max_prompt_length == 256 and cfg.data.max_response_length == 512
     assert cfg.data.train_batch_size == 64 and cfg.actor.optim.lr == 1e-6 and not cfg.data.apply_chat_template
-    base_path = bench_e2e.flatrl_config(bench_e2e.parse(["--model", "0.5b"]), "/m", "/d", str(tmp_path / "b"))
-    base = config.parse(grpo.GRPOConfig, ["--config", base_path])
-    assert base.model.lora_rank == 0 and not base.model.enable_gradient_checkpointing
+    for flags, ckpt in (([], True), (["--no-gradient-checkpointing"], False)):  # flatrl's default, and off
+        args = bench_e2e.parse(["--model", "0.5b", *flags])
+        base = config.parse(
+            grpo.GRPOConfig, ["--config", bench_e2e.flatrl_config(args, "/m", "/d", str(tmp_path))]
+        )
+        assert base.model.lora_rank == 0 and base.model.enable_gradient_checkpointing is ckpt
 
 
 def test_trl_gets_lora_and_checkpointing_through_the_worker(smollm2):

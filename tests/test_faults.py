@@ -405,7 +405,7 @@ def test_out_of_memory_in_a_step_is_reported_once(toy_dir, small_sft, tmp_path, 
     msg = str(exc.value)
     assert msg.startswith("out of memory in sft step 2 (no CUDA device"), msg
     for flag in ("data.micro_batch_size_per_gpu (now 4)", "data.max_length (now 64)",
-                 "model.enable_gradient_checkpointing (now False)", "model.fsdp_config.cpu_offload (now False)"):  # fmt: skip
+                 "model.enable_gradient_checkpointing (now True)", "model.fsdp_config.cpu_offload (now False)"):  # fmt: skip
         assert f"--{flag}" in msg, flag
     assert "Tried to allocate 20.00 GiB" in msg and isinstance(exc.value.__cause__, torch.OutOfMemoryError)
     assert len(calls) == 3  # no retry

@@ -58,7 +58,7 @@ def test_mfu_arithmetic_matches_the_h200_baseline():
 
 def _plan_cfg(path: str, **actor_kw) -> SimpleNamespace:
     return SimpleNamespace(
-        model=actor.ModelConfig(path=path),
+        model=actor.ModelConfig(path=path, enable_gradient_checkpointing=False),  # the numbers below
         actor=actor.ActorConfig(**({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16384} | actor_kw)),
         rollout=rollout.RolloutConfig(gpu_memory_utilization=0.5),
         data=SimpleNamespace(max_prompt_length=256, max_response_length=512),
@@ -84,6 +84,10 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     text = small.render()
     assert "update does not fit" in text and "--actor.ppo_max_token_len_per_gpu" in text
     assert "--model.enable_gradient_checkpointing" in text
+    on = _plan_cfg(str(tmp_path))
+    on.model = actor.ModelConfig(path=str(tmp_path))  # checkpointing on (the default): not advised again
+    text = perf.plan(on, world_size=1, device_total=20 * GiB).render()
+    assert "update does not fit" in text and "--model.enable_gradient_checkpointing" not in text
     # checkpointing keeps one layer's full set and every layer's input; offloading the optimizer in rollout
     ckpt = perf.activation_bytes_per_token(perf.model_shape(str(tmp_path)), checkpointing=True)
     assert ckpt == 24 * 2 * 896 + per_token_layer
@@ -337,7 +341,10 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
         actor=grpo_cfg.actor,
         rollout=grpo_cfg.rollout,
         data=rl.RLDataConfig(max_prompt_length=256, max_response_length=512),
-        critic=ppo.CriticConfig(ppo_micro_batch_size_per_gpu=4),
+        critic=ppo.CriticConfig(
+            ppo_micro_batch_size_per_gpu=4,
+            model=actor.ModelConfig(path="", enable_gradient_checkpointing=False),
+        ),
         algorithm=ppo.AlgorithmConfig(use_kl_in_reward=True),
     )
     phases = perf.plan(cfg, world_size=2, device_total=140 * GiB).phases
@@ -357,7 +364,7 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
     )
     gen = perf.plan(offload, world_size=2, device_total=140 * GiB).phases["gen"]
     assert gen["critic optimizer"] == 0 and gen["optimizer"] == 0
-    big = dataclasses.replace(cfg, critic=ppo.CriticConfig(ppo_micro_batch_size_per_gpu=64))
+    big = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, ppo_micro_batch_size_per_gpu=64))
     text = perf.plan(
         big, world_size=2, device_total=60 * GiB
     ).render()  # the actor's update fits, the critic's not
