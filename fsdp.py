@@ -299,9 +299,22 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Without dropout the recomputed forward draws no random numbers, so the RNG state need not be stashed and
+        # restored around it: that restore sets torch's process-wide generator in the middle of the backward, under
+        # a rollout sampling from it in another thread (rollout.async_steps), whose draws then change.
+        kwargs = {"use_reentrant": False, "preserve_rng_state": has_dropout(model)}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
     return model
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether training draws random numbers: a Dropout module with p > 0, or a config dropout rate above 0 that
+    the attention applies functionally (attention_dropout, attn_pdrop, ...)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    rates = (v for k, v in vars(model.config).items() if "dropout" in k or k.endswith("pdrop"))
+    return any(isinstance(v, float | int) and not isinstance(v, bool) and v > 0 for v in rates)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

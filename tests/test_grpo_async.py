@@ -80,6 +80,32 @@ def test_async_rollouts_come_from_the_weights_one_update_old(one_rank, toy_dir, 
     assert rewards(ahead)[:2] == rewards(frozen)[:2]
 
 
+def test_checkpointed_backward_leaves_the_global_generator_alone(tiny_qwen2, tmp_path, monkeypatch):
+    """Under gradient checkpointing (the default) a backward of a model without dropout never sets torch's global
+    generator. It did (the recompute's stash and restore), while an async rollout sampled from it in another
+    thread: that run's step-2 responses then differed from the frozen run's in 2 of 8 runs of the test above on a
+    busy CPU, and in 0 of 12 after. A model with dropout still stashes it, so its recompute draws the same masks."""
+    import fsdp
+
+    dropped = tmp_path / "dropout"  # the same model with attention dropout in its config
+    dropped.mkdir()
+    for f in tiny_qwen2.iterdir():
+        (dropped / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dropped / "config.json").read_text())
+    (dropped / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    sets = []
+    real = torch.set_rng_state
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: sets.append(1) or real(state))
+    for path, stashes in ((tiny_qwen2, False), (dropped, True)):
+        model = fsdp.load_model(str(path), gradient_checkpointing=True)
+        assert fsdp.has_dropout(model) is stashes
+        model.train()
+        sets.clear()
+        ids = torch.arange(8).view(1, 8)
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert bool(sets) is stashes, (path.name, len(sets))
+
+
 def test_async_checkpoint_keeps_the_batch_drawn_ahead(one_rank, toy_dir, tmp_path, monkeypatch):
     """A checkpoint after step 2 of an async run records the data position after step 2's batch, not after the
     batch drawn ahead for step 3, so resuming from it trains step 3 on the same prompts as an uninterrupted run."""
