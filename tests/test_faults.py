@@ -132,13 +132,16 @@ def logged_step(log: Path) -> int:
 
 
 def after_step(log: Path, k: int, delay_s: float):
-    """A trigger: true `delay_s` after the job logs step k."""
+    """A trigger: true `delay_s` after the job logs step k, or as soon as it logs step k + 1, whichever comes first
+    (without that bound a fast host ran from step 3 to the end of a 10-step job within the delay, and the "kill"
+    hit a finished run)."""
     fire_at: list[float] = []
 
     def trigger() -> bool:
-        if not fire_at and logged_step(log) >= k:
+        done = logged_step(log)
+        if not fire_at and done >= k:
             fire_at.append(time.monotonic() + delay_s)
-        return bool(fire_at) and time.monotonic() >= fire_at[0]
+        return bool(fire_at) and (time.monotonic() >= fire_at[0] or done > k)
 
     return trigger
 
@@ -174,7 +177,8 @@ def test_crash_anywhere_then_resume_equals_an_uninterrupted_run(toy_dir, small_s
     assert not (run / f"global_step_{n * save_freq}").exists()  # ... so that step has no checkpoint
     assert newest_complete(run) == (n - 1) * save_freq
 
-    # Kills 2 and 3: at a random moment up to 0.4 s after a random step (mid step, mid save, or in between).
+    # Kills 2 and 3: at a random moment up to 0.4 s after a random step, before the next step's line (mid step,
+    # mid save, or in between).
     kills = []
     for i in (2, 3):
         start = newest_complete(run)
