@@ -302,8 +302,8 @@ def load_model(
         # Without dropout the recomputed forward draws no random numbers, so the RNG state need not be stashed and
         # restored around it: that restore sets torch's process-wide generator in the middle of the backward, under
         # a rollout sampling from it in another thread (rollout.async_steps), whose draws then change.
-        kwargs = {"use_reentrant": False, "preserve_rng_state": has_dropout(model)}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        recompute = {"use_reentrant": False, "preserve_rng_state": has_dropout(model)}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
     model.config.use_cache = False
     return model
 
