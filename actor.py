@@ -55,6 +55,13 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory: on by default, as in verl and TRL (a command
     sized for their memory fits here too). Off, every layer's activations stay: grpo.py's 0.5B update on the H200
     took 5.1 s instead of 7.7, in 50 GiB of device memory instead of 25 (bench/README.md)."""
+    gradient_checkpointing_layers: Literal["all", "auto"] | int = "all"
+    """With enable_gradient_checkpointing, which decoder layers recompute: all (verl's and TRL's behaviour); N,
+    the first N; auto (grpo.py and ppo.py), the fewest that keep the update phase's planned memory (perf.plan,
+    with a 10% margin) at or under the step's largest other phase, which the engine's awake share sets, so the
+    update runs faster without raising the step's peak. The run prints what auto came to. At the e2e bench's
+    shapes (vLLM share 0.3 of an H200) the plan gives none of 24 layers at 0.5B and 18 of 28 at 1.5B; not yet
+    measured on a GPU."""
     use_remove_padding: bool = True
     """Pack sequences into one row per micro-batch (no padding tokens computed)."""
     lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
@@ -66,6 +73,13 @@ class ModelConfig:
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
     fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
     """Sharding, mixed precision and offload."""
+
+    def __post_init__(self) -> None:
+        layers = self.gradient_checkpointing_layers
+        if isinstance(layers, int) and (isinstance(layers, bool) or layers < 0):
+            raise ValueError(
+                f"model.gradient_checkpointing_layers must be 'all', 'auto' or a layer count >= 0, got {layers!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -126,12 +140,19 @@ class ActorConfig:
 def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:
     """The model at cfg.path (with a scalar value head for ppo.py's critic), FSDP2-sharded on `device`, and the
     files a checkpoint needs to describe it (checkpoint.save_checkpoint's hf_files)."""
+    layers = cfg.gradient_checkpointing_layers
+    if cfg.enable_gradient_checkpointing and layers == "auto":
+        raise ValueError(
+            "model.gradient_checkpointing_layers=auto is sized by the RL memory plan (grpo.py, ppo.py: "
+            "perf.resolve_auto_checkpointing); here give 'all' or a layer count"
+        )
     model = fsdp.load_model(
         cfg.path,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,
         gradient_checkpointing=cfg.enable_gradient_checkpointing,
         value_head=value_head,
+        checkpoint_layers=None if layers == "all" else layers,
     )
     sp.setup(model, cfg.fsdp_config.ulysses_sequence_parallel_size, device.type, cfg.use_remove_padding)
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))

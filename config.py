@@ -165,6 +165,10 @@ def _where(source: Source, key: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # each arm: `Literal['all', 'auto'] | int`
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return f"one of {list(typing.get_args(tp))}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

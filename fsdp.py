@@ -271,6 +271,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     value_head: bool = False,
+    checkpoint_layers: int | None = None,
 ) -> nn.Module:
     """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in fp32.
 
@@ -280,6 +281,8 @@ def load_model(
     value_head: load the backbone with a scalar head instead of the LM head (PPO's critic, as verl's:
         AutoModelForTokenClassification with one label, no dropout; the head is newly initialised unless the
         checkpoint is itself a critic). Its config names that class, so a saved critic reloads as one.
+    checkpoint_layers: with gradient_checkpointing, how many decoder layers recompute their activations (the
+        first ones; None: all). The others keep theirs, trading memory for the recompute's time.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -304,6 +307,14 @@ def load_model(
         # a rollout sampling from it in another thread (rollout.async_steps), whose draws then change.
         recompute = {"use_reentrant": False, "preserve_rng_state": has_dropout(model)}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
+        if checkpoint_layers is not None:
+            for i, layer in enumerate(decoder_layers(model)):
+                if not hasattr(layer, "gradient_checkpointing"):  # checkpointed by the model's own loop
+                    raise ValueError(
+                        f"{path}: {type(layer).__name__} has no per-layer checkpointing switch (transformers' "
+                        "GradientCheckpointingLayer), so model.gradient_checkpointing_layers can only be 'all'"
+                    )
+                layer.gradient_checkpointing = i < checkpoint_layers
     model.config.use_cache = False
     return model
 

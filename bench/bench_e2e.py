@@ -17,7 +17,8 @@ The step time is the median of the steps after the first (flatrl: metrics.jsonl 
 between optimizer-step ends); the first step is reported apart (first-call costs).
 - flatrl: `python grpo.py --config <generated yaml>` with its defaults (packed, dynamic batch of
   `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), gradient
-  checkpointing (flatrl's default, verl's and TRL's) unless `--no-gradient-checkpointing`,
+  checkpointing (flatrl's default, verl's and TRL's) of every layer unless `--no-gradient-checkpointing` or
+  `--checkpoint-layers auto|N`, expandable segments while the engine sleeps unless `--no-expandable-segments`,
   sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
   process unless `--engine-process`, one seed per call unless `--per-request-seeds`, rollouts of the weights
   just pushed unless `--async-steps 1`), `rollout.ignore_eos` for
@@ -130,6 +131,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
         },
         "model": {
             "path": model, "enable_gradient_checkpointing": args.gradient_checkpointing,
+            "gradient_checkpointing_layers": args.checkpoint_layers,
             "fsdp_config": {"offload_optimizer_in_rollout": args.offload_optimizer},
         },
         "actor": {
@@ -140,7 +142,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "n": args.n, "ignore_eos": True, "gpu_memory_utilization": args.gpu_memory_utilization,
             "enforce_eager": args.toy or not torch.cuda.is_available(),  # CPU smoke runs: no graph capture
             "engine_process": args.engine_process, "per_request_seeds": args.per_request_seeds,
-            "async_steps": args.async_steps,
+            "async_steps": args.async_steps, "trainer_expandable_segments": args.expandable_segments,
         },
         "custom_reward_function": {"path": str(REWARD), "num_workers": 0 if args.toy else 4},
         "trainer": {
@@ -266,6 +268,7 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
         model=actor.ModelConfig(
             path=model,
             enable_gradient_checkpointing=args.gradient_checkpointing,
+            gradient_checkpointing_layers=args.checkpoint_layers,
             lora_rank=args.lora["rank"] if args.lora else 0,
             fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
         ),
@@ -275,6 +278,7 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
         ),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
     )
+    cfg, _ = perf.resolve_auto_checkpointing(cfg, 1)  # as grpo.py resolves an auto
     return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1).phases.items()}
 
 
@@ -522,6 +526,8 @@ def main(args: argparse.Namespace) -> dict:
            "gpu_memory_utilization": args.gpu_memory_utilization, "token_budget": args.token_budget,
            "trl_per_device_batch": args.trl_per_device_batch,
            "flatrl_gradient_checkpointing": args.gradient_checkpointing,
+           "flatrl_checkpoint_layers": args.checkpoint_layers,
+           "flatrl_expandable_segments": args.expandable_segments,
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
            "flatrl_async_steps": args.async_steps,
@@ -634,6 +640,8 @@ TRL_BATCH = {"smollm2": 64, None: 16}
 FLATRL_ONLY = {
     "--[no-]gradient-checkpointing": lambda a: a.gradient_checkpointing is not None,
     "--offload-optimizer": lambda a: a.offload_optimizer,
+    "--checkpoint-layers": lambda a: a.checkpoint_layers != "all",
+    "--no-expandable-segments": lambda a: not a.expandable_segments,
     "--engine-process": lambda a: a.engine_process,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
@@ -701,6 +709,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="flatrl's activation recomputation: on by default (flatrl's default, and TRL's and verl's setting here); "
         "--no-gradient-checkpointing is the faster update that holds more memory (the README's 0.5B rows before "
         "it became the default); smollm2 always has it",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpoint-layers", default="all", type=lambda v: v if v in ("all", "auto") else int(v),
+        help="flatrl's model.gradient_checkpointing_layers: all (default), auto (the fewest layers that keep the "
+        "update under the engine's phases, by the memory plan) or a number",
+    )  # fmt: skip
+    p.add_argument(
+        "--expandable-segments", action=argparse.BooleanOptionalAction, default=True,
+        help="flatrl's rollout.trainer_expandable_segments (on by default): --no-expandable-segments measures "
+        "the trainer's phases on whole cudaMalloc'd blocks, as before it",
     )  # fmt: skip
     p.add_argument(
         "--offload-optimizer", action="store_true",
@@ -821,6 +839,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             "--no-gradient-checkpointing: the smollm2 shape runs LoRA with gradient checkpointing everywhere"
         )
+    if args.gradient_checkpointing is False and args.checkpoint_layers != "all":
+        p.error(f"--checkpoint-layers {args.checkpoint_layers} needs gradient checkpointing on")
     args.gradient_checkpointing = args.gradient_checkpointing is not False
     return args
 

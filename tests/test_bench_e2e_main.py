@@ -98,6 +98,14 @@ def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offli
         bench_e2e.parse([*base, "--skip-flatrl", "--no-gradient-checkpointing"])
     assert "--[no-]gradient-checkpointing: flatrl's settings" in capsys.readouterr().err
     assert bench_e2e.parse([*base, "--skip-flatrl"]).gradient_checkpointing  # no flag: nothing refused
+    for flag in (["--checkpoint-layers", "auto"], ["--no-expandable-segments"]):
+        with pytest.raises(SystemExit):
+            bench_e2e.parse([*base, "--skip-flatrl", *flag])
+        assert f"{flag[0]}: flatrl's settings" in capsys.readouterr().err
+    assert bench_e2e.parse([*base, "--checkpoint-layers", "12"]).checkpoint_layers == 12
+    with pytest.raises(SystemExit):  # partial checkpointing needs checkpointing
+        bench_e2e.parse([*base, "--no-gradient-checkpointing", "--checkpoint-layers", "auto"])
+    assert "--checkpoint-layers auto needs gradient checkpointing on" in capsys.readouterr().err
 
 
 def test_micro_batches_follow_the_shape(tmp_path, capsys):

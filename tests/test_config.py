@@ -226,3 +226,19 @@ def test_rollout_numbers_are_checked_at_parse(flag, value, allowed):
 
     with pytest.raises(SystemExit, match=rf"error: {flag}={value}\S* must be {re.escape(allowed)}"):
         config.parse(grpo.GRPOConfig, [f"{flag}={value}"])
+
+
+def test_checkpointed_layers_take_all_auto_or_a_count():
+    """model.gradient_checkpointing_layers (`Literal['all', 'auto'] | int`): each arm parses from an override, a
+    tyro flag or YAML; anything else is one line that names the key and both arms; a negative count is refused."""
+    import grpo
+
+    parse = lambda *argv: config.parse(grpo.GRPOConfig, list(argv)).model.gradient_checkpointing_layers  # noqa: E731
+    assert parse("model.gradient_checkpointing_layers=auto") == "auto"
+    assert parse("actor_rollout_ref.model.gradient_checkpointing_layers=12") == 12
+    assert parse("--model.gradient-checkpointing-layers", "7") == 7
+    assert parse() == "all"
+    with pytest.raises(SystemExit, match=r"expects one of \['all', 'auto'\] \| int, got str 'some'"):
+        parse("model.gradient_checkpointing_layers=some")
+    with pytest.raises(SystemExit, match="a layer count >= 0, got -1"):
+        parse("model.gradient_checkpointing_layers=-1")

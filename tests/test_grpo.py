@@ -106,15 +106,18 @@ def test_compute_advantages_sets_one_number_per_sample(estimator):
     assert adv[1] > 0 > adv[0] and adv[3] > 0 > adv[2]  # the rewarded response of each pair is preferred
 
 
-def _tiny_policy(path, device: torch.device, checkpointing: bool = False, lr: float = 1e-2):
+def _tiny_policy(
+    path, device: torch.device, checkpointing: bool = False, lr: float = 1e-2, layers: str | int = "all"
+):
     """The conftest's one-layer Qwen2 (`tiny_qwen2`) loaded as grpo.py loads a policy (FSDP2 over the one rank),
     with its AdamW and schedule."""
     import actor
     import optim
 
-    model, _ = actor.load(
-        actor.ModelConfig(path=str(path), enable_gradient_checkpointing=checkpointing), device
+    model_cfg = actor.ModelConfig(
+        path=str(path), enable_gradient_checkpointing=checkpointing, gradient_checkpointing_layers=layers
     )
+    model, _ = actor.load(model_cfg, device)
     optimizer, scheduler = optim.build(model.parameters(), optim.OptimConfig(lr=lr), total_steps=4)
     return model, optimizer, scheduler
 
@@ -240,6 +243,42 @@ def test_update_recomputes_with_checkpointing_and_leaves_eval_mode(one_rank, tin
     with pytest.raises(RuntimeError, match="boom"):
         _update(model, optimizer, samples, cfg, device)
     assert not any(m.training for m in model.modules())
+
+
+def test_partial_checkpointing_recomputes_the_first_layers_and_trains_the_same(one_rank, tmp_path):
+    """model.gradient_checkpointing_layers=2 of 4: the first two layers run twice per micro-batch (forward, then
+    the recompute in the backward pass), the last two once, and one update moves every weight exactly as without
+    checkpointing and with every layer recomputing. 'auto' left unresolved is refused at load."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import actor
+
+    torch.manual_seed(0)
+    shape = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    Qwen2ForCausalLM(shape).save_pretrained(tmp_path / "four")
+    device, samples, cfg = one_rank.device, _random_samples(), _grpo_cfg()
+    n_micro = len(actor.micro_batches(samples, list(range(len(samples))), cfg.actor))
+    weights = {}
+    for checkpointing, layers, runs in (
+        (False, "all", [1] * 4),
+        (True, "all", [2] * 4),
+        (True, 2, [2, 2, 1, 1]),
+    ):
+        model, optimizer, _ = _tiny_policy(tmp_path / "four", device, checkpointing, layers=layers)
+        calls = [0] * 4
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, args, i=i, c=calls: c.__setitem__(i, c[i] + 1))
+        _update(model, optimizer, samples, cfg, device)
+        assert calls == [r * n_micro for r in runs], (checkpointing, layers)
+        weights[checkpointing, layers] = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    plain = weights[False, "all"]
+    for key in ((True, "all"), (True, 2)):
+        assert all(torch.allclose(weights[key][k], plain[k], rtol=0, atol=1e-7) for k in plain), key
+    start = {k: v.full_tensor() for k, v in _tiny_policy(tmp_path / "four", device)[0].state_dict().items()}
+    assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-4  # the update moved the weights
+    with pytest.raises(ValueError, match="gradient_checkpointing_layers=auto is sized by the RL memory plan"):
+        _tiny_policy(tmp_path / "four", device, True, layers="auto")
 
 
 def test_gspo_surrogate_by_hand():

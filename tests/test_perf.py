@@ -89,8 +89,11 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     text = perf.plan(on, world_size=1, device_total=20 * GiB).render()
     assert "update does not fit" in text and "--model.enable_gradient_checkpointing" not in text
     # checkpointing keeps one layer's full set and every layer's input; offloading the optimizer in rollout
-    ckpt = perf.activation_bytes_per_token(perf.model_shape(str(tmp_path)), checkpointing=True)
-    assert ckpt == 24 * 2 * 896 + per_token_layer
+    shape = perf.model_shape(str(tmp_path))
+    assert perf.activation_bytes_per_token(shape, 24) == 24 * 2 * 896 + per_token_layer
+    # six layers recomputing keep their inputs, the other 18 all of theirs
+    assert perf.activation_bytes_per_token(shape, 6) == 18 * per_token_layer + 6 * 2 * 896 + per_token_layer
+    assert perf.activation_bytes_per_token(shape, 0) * T == up["activations"]
     # four ranks: the sharded states shrink four times, the activations stay
     four = perf.plan(_plan_cfg(str(tmp_path)), world_size=4, device_total=140 * GiB).phases["update"]
     assert four["optimizer"] == 2 * P and four["activations"] == up["activations"]
@@ -370,3 +373,73 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
     ).render()  # the actor's update fits, the critic's not
     assert "update_critic does not fit: lower --critic.ppo_micro_batch_size_per_gpu" in text
     assert "update does not fit" not in text
+
+
+QWEN15 = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+              intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, share, layers", [(QWEN05, 0.3, 0), (QWEN15, 0.3, 18), (QWEN05, 0.12, 24), (QWEN15, 0.5, 0)]
+)
+def test_auto_checkpointing_takes_the_fewest_layers_that_keep_the_update_under_the_engine(
+    tmp_path, shape, share, layers
+):
+    """model.gradient_checkpointing_layers=auto on the e2e bench's shapes and batch (16,384-token micro-batches,
+    an H200's 143.7 GiB): the fewest recomputing layers whose update plan, times the 10% margin, stays at or under
+    the phases with the engine awake. At vLLM's share 0.3 that is none at 0.5B and 18 of 28 at 1.5B; with a
+    small share the engine no longer sets the peak and every layer recomputes."""
+    import grpo
+
+    Qwen2Config(**shape).save_pretrained(tmp_path)
+    GiB = 2**30
+    cfg = grpo.GRPOConfig(
+        model=actor.ModelConfig(path=str(tmp_path), gradient_checkpointing_layers="auto"),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=share),
+        data=rl.RLDataConfig(max_prompt_length=256, max_response_length=512),
+    )
+    resolved, said = perf.resolve_auto_checkpointing(cfg, world_size=1, device_total=143.7 * GiB)
+    assert resolved.model.gradient_checkpointing_layers == layers
+    assert said == [
+        f"model.gradient_checkpointing_layers=auto: {layers} of {shape['num_hidden_layers']} layers recompute "
+        + said[0].split("layers recompute ")[1]
+    ]
+
+    def totals(k: int) -> dict[str, float]:
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing_layers=k))
+        return {n: sum(p.values()) for n, p in perf.plan(c, 1, device_total=143.7 * GiB).phases.items()}
+
+    ceiling = max(totals(layers)[n] for n in ("gen", "old_logprob", "sync"))
+    if layers < shape["num_hidden_layers"]:
+        assert totals(layers)["update"] * perf.AUTO_CHECKPOINT_MARGIN <= ceiling
+    if layers > 0:  # one layer fewer would put the update above it
+        assert totals(layers - 1)["update"] * perf.AUTO_CHECKPOINT_MARGIN > ceiling
+
+
+def test_auto_checkpointing_sizes_the_ppo_critic_on_its_own_phase(tmp_path):
+    """ppo.py: the critic's auto is sized on its update_critic phase; a critic left at 'all' or a number stays."""
+    Qwen2Config(**QWEN15).save_pretrained(tmp_path)
+    auto = actor.ModelConfig(path=str(tmp_path), gradient_checkpointing_layers="auto")
+    cfg = ppo.PPOConfig(
+        model=auto,
+        critic=ppo.CriticConfig(model=auto, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=0.3),
+        data=rl.RLDataConfig(max_prompt_length=256, max_response_length=512),
+    )
+    resolved, said = perf.resolve_auto_checkpointing(cfg, world_size=1, device_total=143.7 * 2**30)
+    k, kc = resolved.model.gradient_checkpointing_layers, resolved.critic.model.gradient_checkpointing_layers
+    assert isinstance(k, int) and isinstance(kc, int) and kc < k  # the critic keeps no logits: fewer layers
+    assert [line.split(":")[0] for line in said] == [
+        "model.gradient_checkpointing_layers=auto",
+        "critic.model.gradient_checkpointing_layers=auto",
+    ]
+    fixed = dataclasses.replace(
+        cfg,
+        critic=dataclasses.replace(
+            cfg.critic, model=dataclasses.replace(auto, gradient_checkpointing_layers=5)
+        ),
+    )
+    again, said = perf.resolve_auto_checkpointing(fixed, world_size=1, device_total=143.7 * 2**30)
+    assert again.critic.model.gradient_checkpointing_layers == 5 and len(said) == 1
