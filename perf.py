@@ -453,17 +453,21 @@ def resolve_auto_checkpointing(
     phase without an update (gen, old_logprob, sync: with the engine awake its share sets the step's peak), and
     a line for each saying what it came to. Without a CUDA device the engine's share is unknown (0 in the plan),
     so auto comes to all layers or nearly."""
+    targets = [("model", "update", cfg.model)]
+    if getattr(cfg, "critic", None) is not None:
+        targets.append(("critic.model", "update_critic", cfg.critic.model))
+    targets = [
+        (key, phase)
+        for key, phase, m in targets
+        if m.enable_gradient_checkpointing and m.gradient_checkpointing_layers == "auto"
+    ]
+    if not targets:  # nothing to size: the model's config is not read
+        return cfg, []
     if device_total is None and torch.cuda.is_available():
         device_total = float(torch.cuda.mem_get_info()[1])
     shape = model_shape(cfg.model.path)
     said = []
-    targets = [("model", "update")]
-    if getattr(cfg, "critic", None) is not None:
-        targets.append(("critic.model", "update_critic"))
     for key, phase in targets:
-        model_cfg = cfg.critic.model if key == "critic.model" else cfg.model
-        if not model_cfg.enable_gradient_checkpointing or model_cfg.gradient_checkpointing_layers != "auto":
-            continue
         for k in range(shape.layers + 1):
             trial = _with_checkpoint_layers(cfg, key, k)
             phases = {

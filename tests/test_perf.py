@@ -443,3 +443,15 @@ def test_auto_checkpointing_sizes_the_ppo_critic_on_its_own_phase(tmp_path):
     )
     again, said = perf.resolve_auto_checkpointing(fixed, world_size=1, device_total=143.7 * 2**30)
     assert again.critic.model.gradient_checkpointing_layers == 5 and len(said) == 1
+
+
+def test_auto_checkpointing_reads_nothing_when_no_model_asks_for_it():
+    """Every grpo.py and ppo.py run passes through perf.resolve_auto_checkpointing: without an auto it returns the
+    config as it is and never reads the model's config (a hub id or a remote-code model would need more)."""
+    cfg = ppo.PPOConfig(model=actor.ModelConfig(path="/nowhere", gradient_checkpointing_layers=3))
+    assert perf.resolve_auto_checkpointing(cfg, world_size=1, device_total=1.0) == (cfg, [])
+    unused = actor.ModelConfig(
+        path="/nowhere", enable_gradient_checkpointing=False, gradient_checkpointing_layers="auto"
+    )
+    off = dataclasses.replace(cfg, model=unused)
+    assert perf.resolve_auto_checkpointing(off, world_size=1)[1] == []
