@@ -142,7 +142,8 @@ class RolloutConfig:
     (PYTORCH_CUDA_ALLOC_CONF's expandable_segments) instead of reserving a new block for each large tensor, so the
     empty_cache before each wake returns every free page of the trainer's phases, even pages among tensors that
     stay alive. Off before each wake: the memory pool of vLLM's sleep mode cannot use them (pytorch issue
-    147851), and the engine's own allocations stay as vLLM tests them. verl's hybrid engine switches the same way. Not yet measured end to end on a GPU (perf/memory/cache_kept_at_wake_gb)."""
+    147851), and the engine's own allocations stay as vLLM tests them. verl's hybrid engine switches the same
+    way. Not yet measured end to end on a GPU (perf/memory/cache_kept_at_wake_gb)."""
     sleep_level: int = 2
     """2: drop the weights and the KV cache (the next push refills the weights; vLLM keeps the buffers, such
     as rotary tables, on the host); 1: copy the weights to host memory and back. The RL loops push before every
