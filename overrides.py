@@ -250,9 +250,15 @@ def _under(key: str, root: str) -> bool:
 
 def merge_into(entries: dict[str, tuple[Any, str]], key: str, value: Any, origin: str) -> None:
     """Hydra's merge of one value: it replaces the key, whatever lay under it, and a scalar above it; a
-    non-empty mapping merges leaf by leaf. The key moves to the end (the latest setting wins later)."""
+    non-empty mapping merges leaf by leaf. The key moves to the end (the latest setting wins later).
+    A text value and the keys under the same name live side by side: that is Hydra's choice of a config group
+    and the overrides of its keys (verl's `engine=fsdp engine.strategy=fsdp2`), read each by its own rule."""
+    choice = isinstance(plain(value), str)
     for old in [k for k in entries if _under(k, key) or _under(key, k)]:
-        del entries[old]
+        group_keys_stay = choice and old != key and _under(old, key)
+        group_choice_stays = old != key and _under(key, old) and isinstance(plain(entries[old][0]), str)
+        if not (group_keys_stay or group_choice_stays):
+            del entries[old]
     items = flatten(value, key + ".") if isinstance(value, Mapping) and value else {key: value}
     for k, v in items.items():
         entries[k] = (v, origin)

@@ -1,7 +1,7 @@
 """verl's config keys and what flatrl does with each: one table per verl entry point, readable as documentation.
 
 `RL` (+ `GRPO` or `PPO`) is verl.trainer.main_ppo's, read by grpo.py and ppo.py; `SFT` is
-verl.trainer.fsdp_sft_trainer's, read by sft.py. overrides.translate looks every key a user gives up here
+verl.trainer.fsdp_sft_trainer's and its successor verl.trainer.sft_trainer's, read by sft.py. overrides.translate looks every key a user gives up here
 first, then as a flatrl field, then as a plain prefix move (`RL_PREFIXES`: `actor_rollout_ref.actor.X` ->
 `actor.X`, ...); a key none of them knows is an error. A key ending in `.*` covers everything under it. Rules:
 - `Map(*to, weak=(), why=, convert=)`: flatrl honours the key under other names; a rename is said on stderr,
@@ -93,6 +93,7 @@ SAMPLES = "a few validation generations are printed on the console; none go to t
 REWARD_FN = "flatrl's reward pool scores each response with the function, as verl's naive (and prime) manager"
 MB_IN_ORDER = "a step's samples are already a random draw of prompts; mini-batches take them in that order"
 MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
+NO_QAT = "no quantization-aware training"
 
 
 def _fsdp_size(value: Any) -> int:
@@ -159,6 +160,13 @@ def _fsdp(ours: str) -> dict[str, Rule]:
         "use_torch_compile": Ignore(SPEED),
         "forward_only": Ignore(WORKERS),
         "strategy": Only(("fsdp", "fsdp2", None), FSDP2),
+        "entropy_from_logits_chunk_size": Ignore("flatrl's logprob kernel is always chunked"),
+        "use_no_sync_for_gradient_accumulation": Ignore(SPEED),
+        "pad_to_length": Ignore(SPEED),
+        "pad_to_length_bucket": Ignore(SPEED),
+        "qat.enable": Only((False,), NO_QAT),
+        "qat.*": Ignore("read only with qat.enable"),
+        "turbo_config.*": Ignore("read only by verl's turbo engine"),
     }
 
 
@@ -179,6 +187,10 @@ def _optim(ours: str, grad_clip: str | None) -> dict[str, Rule]:
         "override_optimizer_config": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
         "override_optimizer_config.*": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
         "lr_decay_style": Map(f"{ours}.lr_scheduler"),
+        "zero_indexed_step": Ignore(
+            "flatrl's warm-up gives its first step lr / warm-up steps (verl's zero_indexed_step=false); "
+            "the schedule is otherwise verl's"
+        ),
     }
     if grad_clip is not None:
         rules["clip_grad"] = Map(weak=(grad_clip,), why=f"verl's engine workers read it; {grad_clip} wins")
@@ -203,9 +215,10 @@ RL_MODEL: dict[str, Rule] = {
     "external_lib": Only((None,), NO_CODE),
     "override_config": Only(({},), "the model's config.json is used as it is"),
     "override_config.*": Only(({},), "the model's config.json is used as it is"),
-    "lora.*": Only(
-        (None, {}), "Megatron's LoRA block: flatrl's LoRA is model.lora_rank, lora_alpha, target_modules"
+    "lora.rank": Only(
+        (0, None), "Megatron's LoRA block: flatrl's LoRA is model.lora_rank, lora_alpha, target_modules"
     ),
+    "lora.*": Ignore("read only with model.lora.rank > 0"),
     "enable_activation_offload": Ignore(MEMORY),
     "exclude_modules": Only((None,), "LoRA wraps model.target_modules, with no exclusions"),
     "lora_adapter_path": Only((None,), "LoRA starts from fresh adapters"),
@@ -259,6 +272,10 @@ RL_ACTOR: dict[str, Rule] = {
     "tis_imp_ratio_cap": Only((-1, None), "no truncated importance sampling of rollout logprobs"),
     "rollout_n": Ignore("verl's copy of rollout.n"),
     "megatron.*": Only((None, {}), MEGATRON),
+    "entropy_from_logits_chunk_size": Ignore("flatrl's logprob kernel is always chunked"),
+    "pad_to_length": Ignore(SPEED),
+    "qat.enable": Only((False,), NO_QAT),
+    "qat.*": Ignore("read only with qat.enable"),
     **_under("optim", _optim("actor.optim", grad_clip="actor.grad_clip")),
     **_under("fsdp_config", _fsdp("model.fsdp_config")),
 }
@@ -308,6 +325,19 @@ RL_ROLLOUT: dict[str, Rule] = {
     "quantization": Only((None,), "the engine runs the trainer's weights in rollout.dtype"),
     "quantization_config_file": Only((None,), "the engine runs the trainer's weights in rollout.dtype"),
     "mtp": Ignore("verl's copy of model.mtp"),
+    "disaggregation.enabled": Only((False,), "no prefill/decode disaggregation: one engine per rank"),
+    "disaggregation.*": Ignore("read only with rollout.disaggregation.enabled"),
+    "full_determinism": Ignore(
+        "vLLM's batch-invariant kernels are not switched on; seeded draws repeat anyway"
+    ),
+    "moe_load_balance_metrics_interval": Ignore("no MoE metrics"),
+    "n_gpus_per_node": Ignore("the engine shares the trainer's GPUs (torchrun's)"),
+    "nnodes": Ignore("the engine shares the trainer's GPUs (torchrun's)"),
+    "qat": Ignore("verl's copy of the actor's qat (actor_rollout_ref.actor.fsdp_config.qat, checked there)"),
+    "qat.*": Ignore(
+        "verl's copy of the actor's qat (actor_rollout_ref.actor.fsdp_config.qat, checked there)"
+    ),
+    "router_config_path": Only((None,), "one engine per rank: no router"),
 }
 
 # data.*: train_files, val_files, prompt_key, max_prompt_length, max_response_length, train_batch_size,
@@ -341,6 +371,11 @@ RL_DATA: dict[str, Rule] = {
     "datagen.name": Ignore("read only with data.datagen.path"),
     "apply_chat_template_kwargs": Only(({},), "prompts are rendered with the chat template's defaults"),
     "apply_chat_template_kwargs.*": Only(({},), "prompts are rendered with the chat template's defaults"),
+    "audio_key": Ignore(TEXT_ONLY),
+    "mm_processor_kwargs": Ignore(TEXT_ONLY),
+    "mm_processor_kwargs.*": Ignore(TEXT_ONLY),
+    "function_tool_path": Only((None,), "no tool calls (single-turn generation)"),
+    "gen_batch_size": Only((None,), "each step generates for data.train_batch_size prompts"),
 }
 
 # algorithm.*: adv_estimator and kl_penalty are flatrl's names; gamma, lam, use_kl_in_reward and kl_ctrl.* in
@@ -394,6 +429,27 @@ RL_TRAINER: dict[str, Rule] = {
     "npu_profile.*": Ignore(PROFILER),
     "controller_nsight_options.*": Ignore(PROFILER),
     "worker_nsight_options.*": Ignore(PROFILER),
+    "checkpoint_callback_class": Only((None,), NO_CODE),
+    "use_v1": Ignore("verl's choice of trainer implementation; flatrl has one"),
+    "v1.trainer_mode": Only(
+        ("sync",), "grpo.py's loop is verl's sync mode; rollout.async_steps=1 is its one-step off-policy mode"
+    ),
+    "v1.*": Ignore("read only by verl's asynchronous trainer modes"),
+}
+
+# reward.* (verl 0.9.1 gathers the reward settings here; the top-level names still work there, and here).
+RL_REWARD: dict[str, Rule] = {
+    "custom_reward_function.path": Map("custom_reward_function.path"),
+    "custom_reward_function.name": Map("custom_reward_function.name"),
+    "num_workers": Map("custom_reward_function.num_workers", why="processes scoring the responses"),
+    "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
+    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
+    "reward_manager.module.path": Only((None,), NO_CODE),
+    "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
+    "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
+    "reward_model.*": Ignore("read only with reward_model.enable"),
+    "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
+    "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
 }
 
 RL: dict[str, Rule] = {
@@ -410,8 +466,11 @@ RL: dict[str, Rule] = {
     "actor_rollout_ref.nccl_timeout": Map("trainer.timeout_s"),
     **_under("data", RL_DATA),
     # custom_reward_function.path and .name are flatrl's names.
-    "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
-    "reward_model.reward_manager": Only(("naive", "prime"), REWARD_FN),
+    # verl 0.9.1 keeps these top-level names with null (unset) values beside its reward.* section
+    "reward_model.enable": Only(
+        (False, None), "flatrl scores with reward functions (reward.py), no reward model"
+    ),
+    "reward_model.reward_manager": Only(("naive", "prime", None), REWARD_FN),
     "reward_model.launch_reward_fn_async": Ignore(
         "flatrl always scores in the background, beside the logprobs"
     ),
@@ -421,6 +480,15 @@ RL: dict[str, Rule] = {
     "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
     "reward_manager.module.path": Only((None,), NO_CODE),
     "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
+    **_under("reward", RL_REWARD),
+    "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
+    "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
+    "distillation.enabled": Only((False,), "no distillation from a teacher model"),
+    "distillation.*": Ignore("read only with distillation.enabled"),
+    "skip.rollout.enable": Only((False,), "every step generates"),
+    "skip.rollout_tq.enable": Only((False,), "every step generates"),
+    "skip.async_rollout.enable": Only((False,), "every step generates"),
+    "skip.*": Ignore("read only with skip.*.enable"),
     **_under("algorithm", RL_ALGORITHM),
     **_under("trainer", RL_TRAINER),
     "global_profiler.*": Ignore(PROFILER),
@@ -467,6 +535,7 @@ GRPO: dict[str, Rule] = {
 
 # critic.*: the keys not listed are flatrl's names.
 PPO_CRITIC: dict[str, Rule] = {
+    **_under("model", RL_MODEL),
     "enable": Only((None, True), "ppo.py always trains the critic"),
     "strategy": Only(("fsdp", "fsdp2"), FSDP2),
     "rollout_n": Ignore("verl's copy of rollout.n"),
@@ -495,6 +564,8 @@ PPO_CRITIC: dict[str, Rule] = {
     "model.tiled_mlp.*": Ignore(MEMORY),
     **_under("optim", _optim("critic.optim", grad_clip="critic.grad_clip")),
     **_under("model.fsdp_config", _fsdp("critic.model.fsdp_config")),
+    **_under("fsdp", _fsdp("critic.model.fsdp_config")),
+    "loss_scale_factor": Only((None,), "the loss is normalised as critic.loss_agg_mode says"),
     # After the spread: this one reads differently for the critic.
     "model.lora_rank": Only((0,), "the critic trains all its weights (LoRA is the actor's)"),
 }
@@ -554,6 +625,39 @@ SFT_TRAINER: dict[str, Rule] = {
     "device": Only(("cuda", "cpu", None), "flatrl runs on CUDA, or the CPU when there is none"),
 }
 
+# verl.trainer.sft_trainer (the engine trainer that replaced fsdp_sft_trainer; sft_trainer_engine.yaml) keeps
+# data.*, optim.* and trainer.*, and moves the model to model.path with hf_model's keys (RL_MODEL's) and the
+# sharding to engine.* (fsdp_config's keys).
+SFT_ENGINE_DATA: dict[str, Rule] = {
+    "pad_mode": Ignore(
+        "sequences are packed (model.use_remove_padding) or right-padded; the loss is the same"
+    ),
+    "tools_key": Ignore("tools are not passed to the chat template"),
+    "enable_thinking_key": Ignore("a per-row switch of the chat template: its defaults are used"),
+    "enable_thinking_default": Only(("none", None), "the chat template's defaults are used"),
+    "ignore_input_ids_mismatch": Only(
+        (False,), "a chat whose template does not extend turn by turn is a bad row (data.skip_bad_rows)"
+    ),
+    "num_workers": Ignore("rows are tokenised once, at the start"),
+}
+
+SFT_ENGINE: dict[str, Rule] = {
+    "model": Only(("hf_model",), "verl's model group: flatrl loads a Hugging Face causal LM"),
+    "engine": Only(("fsdp",), f"verl's engine group: {FSDP2}"),
+    "optim": Only(("fsdp",), "verl's optimizer group: flatrl trains with torch.optim.AdamW"),
+    "model.path": Map("model.partial_pretrain", why="fsdp_sft_trainer's model.partial_pretrain"),
+    **_under("model", RL_MODEL),
+    **_under("engine", _fsdp("model.fsdp_config")),
+    "engine.optimizer_offload": Ignore(
+        f"{MEMORY}: sft.py offloads the optimizer state with engine.param_offload"
+    ),
+    **_under("data", SFT_ENGINE_DATA),
+    "trainer.balance_batch": Ignore("each rank's share is always balanced by tokens"),
+    "trainer.profile_interval": Ignore(PROFILER),
+    "checkpoint.*": Ignore(CKPT),
+    "profiler.*": Ignore(PROFILER),
+}
+
 SFT: dict[str, Rule] = {
     "defaults": Ignore(DEFAULTS),
     "hydra.*": Ignore("Hydra's own settings (output folder, logging)"),
@@ -564,6 +668,7 @@ SFT: dict[str, Rule] = {
     "ulysses_sequence_parallel_size": Map("model.fsdp_config.ulysses_sequence_parallel_size", why=SP),
     "use_remove_padding": Map("model.use_remove_padding"),
     **_under("trainer", SFT_TRAINER),
+    **SFT_ENGINE,
 }
 
 HYDRA_TARGET = Ignore(
@@ -600,7 +705,7 @@ def markdown() -> str:
         ("verl.trainer.main_ppo: grpo.py and ppo.py", RL),
         ("main_ppo keys read differently by grpo.py", GRPO),
         ("main_ppo keys read differently by ppo.py", PPO),
-        ("verl.trainer.fsdp_sft_trainer: sft.py", SFT),
+        ("verl.trainer.fsdp_sft_trainer and verl.trainer.sft_trainer: sft.py", SFT),
     ]
     lines = []
     for title, table in sections:

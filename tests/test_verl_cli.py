@@ -2,7 +2,8 @@
 the config tutorial's template, duplicate YAML keys, the --print-config round trip, the world-size check.
 
 The example command lines are written from verl's public examples (examples/grpo_trainer/run_qwen2-7b.sh,
-examples/ppo_trainer/run_deepseek7b_llm.sh, examples/sft/gsm8k/run_qwen_05_peft.sh: FSDP + vLLM, GSM8K).
+examples/ppo_trainer/run_deepseek7b_llm.sh, examples/sft/gsm8k/run_qwen_05_peft.sh: FSDP + vLLM, GSM8K) and its
+SFT engine test (tests/special_e2e/sft/run_sft_engine.sh).
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ SFT_EXAMPLE = f"""
     model.partial_pretrain=Qwen/Qwen2.5-0.5B-Instruct trainer.default_local_dir=/tmp/sft-save
     trainer.project_name=gsm8k-sft trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct trainer.logger=console
     trainer.total_epochs=1 model.lora_rank=32 model.lora_alpha=16 model.target_modules=all-linear
+""".split()
+
+# verl 0.9.1's SFT trainer (verl.trainer.sft_trainer, which replaced fsdp_sft_trainer): the model under model.path,
+# the sharding under engine.*, Hydra group choices; as verl's tests/special_e2e/sft/run_sft_engine.sh passes them.
+SFT_ENGINE_EXAMPLE = f"""
+    data.train_files={HOME}/data/gsm8k_sft/train.parquet data.val_files={HOME}/data/gsm8k_sft/test.parquet
+    data.train_batch_size=256 data.pad_mode=no_padding data.truncation=error data.use_dynamic_bsz=True
+    data.max_token_len_per_gpu=8192 data.messages_key=messages model.path=Qwen/Qwen2.5-0.5B-Instruct
+    engine=fsdp optim=fsdp optim.lr=1e-5 optim.lr_warmup_steps_ratio=0.05 optim.weight_decay=0.1
+    optim.betas=[0.9,0.95] optim.clip_grad=1.0 optim.min_lr_ratio=0.1 optim.warmup_style=cosine
+    engine.ulysses_sequence_parallel_size=2 engine.strategy=fsdp trainer.save_freq=-1 trainer.logger=['console']
+    trainer.project_name=verl_sft_test trainer.experiment_name=gsm8k-fsdp trainer.total_epochs=2
+    trainer.total_training_steps=2 trainer.default_local_dir=/tmp/sft-engine trainer.resume_mode=disable
 """.split()
 
 # verl's config tutorial's own template (as the issue gives it): Hydra defaults, batch keys under trainer,
@@ -414,6 +428,52 @@ def test_resume_path_and_debug():
         config.parse(grpo.GRPOConfig, ["trainer.resume_mode=resume_path"])
 
 
+def test_sft_engine_example_command_line(tmp_path):
+    """verl 0.9.1's SFT trainer layout: model.path, engine.*, the group choices `engine=fsdp optim=fsdp`, a
+    messages column; a Megatron engine is refused by name."""
+    c, err = print_config("sft.py", SFT_ENGINE_EXAMPLE, sft.SFTConfig, tmp_path, world_size=2)
+    assert c.model.partial_pretrain == "Qwen/Qwen2.5-0.5B-Instruct" and c.data.messages_key == "messages"
+    assert c.data.use_dynamic_bsz and c.data.max_token_len_per_gpu == 8192 and c.data.train_batch_size == 256
+    assert c.model.fsdp_config.ulysses_sequence_parallel_size == 2
+    o = c.optim
+    assert (o.lr, o.warmup_steps_ratio, o.weight_decay, o.betas, o.min_lr_ratio) == (
+        1e-5,
+        0.05,
+        0.1,
+        (0.9, 0.95),
+        0.1,
+    )
+    assert (
+        o.lr_scheduler == "cosine" and c.trainer.total_training_steps == 2 and c.trainer.logger == ["console"]
+    )
+    assert_accounted(SFT_ENGINE_EXAMPLE, err, sft.SFTConfig)
+    assert "mapped: model.path -> model.partial_pretrain" in err
+    assert "ignored: engine=fsdp" in err and "ignored: data.pad_mode=no_padding" in err
+    p = run("sft.py", [*SFT_ENGINE_EXAMPLE, "engine=megatron", "--print-config"], 2)
+    assert p.returncode != 0 and "engine=megatron cannot be honoured: verl's engine group" in p.stderr
+
+
+def test_verl_0_9_reward_section(tmp_path):
+    """verl 0.9.1 gathers the reward settings under reward.*: its custom function and workers reach flatrl's
+    custom_reward_function, and a reward model is refused by name."""
+    args = [
+        *GRPO_EXAMPLE,
+        "reward.custom_reward_function.path=/r.py",
+        "reward.custom_reward_function.name=score",
+    ]
+    c, err = print_config(
+        "grpo.py",
+        [*args, "reward.num_workers=3", "reward.reward_manager.name=naive"],
+        grpo.GRPOConfig,
+        tmp_path,
+    )
+    rc = c.custom_reward_function
+    assert (rc.path, rc.name, rc.num_workers) == ("/r.py", "score", 3)
+    assert "mapped: reward.custom_reward_function.path -> custom_reward_function.path" in err
+    p = run("grpo.py", [*args, "reward.reward_model.enable=true", "--print-config"])
+    assert p.returncode != 0 and "reward.reward_model.enable=true cannot be honoured" in p.stderr
+
+
 # ------------------------------------------------------------------------------- the table itself
 
 
@@ -428,7 +488,11 @@ def _verl_keys() -> dict[str, list[str]]:
     return sections
 
 
-SCRIPTS = {"main_ppo": (grpo.GRPOConfig, ppo.PPOConfig), "fsdp_sft_trainer": (sft.SFTConfig,)}
+SCRIPTS = {
+    "main_ppo": (grpo.GRPOConfig, ppo.PPOConfig),
+    "fsdp_sft_trainer": (sft.SFTConfig,),
+    "sft_trainer": (sft.SFTConfig,),
+}
 
 
 @pytest.mark.parametrize("cls", [grpo.GRPOConfig, ppo.PPOConfig, sft.SFTConfig], ids=lambda c: c.__name__)
