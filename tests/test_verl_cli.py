@@ -474,6 +474,36 @@ def test_verl_0_9_reward_section(tmp_path):
     assert p.returncode != 0 and "reward.reward_model.enable=true cannot be honoured" in p.stderr
 
 
+@pytest.mark.skipif(
+    not os.environ.get("FLATRL_VERL_SITE"), reason="FLATRL_VERL_SITE (verl's config tree) not set"
+)
+@pytest.mark.parametrize(
+    "script, name, extra",
+    [
+        ("grpo.py", "_generated_ppo_trainer", ["algorithm.adv_estimator=grpo"]),
+        ("grpo.py", "ppo_trainer", ["algorithm.adv_estimator=grpo"]),
+        ("ppo.py", "_generated_ppo_trainer", []),
+        ("sft.py", "sft_trainer_engine", []),
+    ],
+)
+def test_verl_0_9_own_configs_load(tmp_path, script, name, extra):
+    """verl 0.9.1's own trainer configs (the installed wheel's verl/trainer/config), loaded whole with
+    --config-path/--config-name: every key is mapped, ignored with its reason, or a flatrl key."""
+    site = Path(os.environ["FLATRL_VERL_SITE"]) / "verl" / "trainer" / "config"
+    cls = {"grpo.py": grpo.GRPOConfig, "ppo.py": ppo.PPOConfig, "sft.py": sft.SFTConfig}[script]
+    world = 1 if script == "sft.py" else 8  # trainer.n_gpus_per_node x nnodes in the file
+    c, err = print_config(
+        script, ["--config-path", str(site), "--config-name", name, *extra], cls, tmp_path, world
+    )
+    if script == "sft.py":
+        assert c.data.use_dynamic_bsz and c.data.max_token_len_per_gpu == 8192 and c.trainer.total_epochs == 4
+    else:
+        assert c.data.train_batch_size == 1024 and c.trainer.project_name == "verl_examples"
+    if name == "_generated_ppo_trainer":  # verl 0.9.1's reward section
+        assert c.custom_reward_function.num_workers == 8
+        assert "mapped: reward.num_workers -> custom_reward_function.num_workers" in err
+
+
 # ------------------------------------------------------------------------------- the table itself
 
 
