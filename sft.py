@@ -140,6 +140,10 @@ class SFTTrainerConfig(config.TrainerConfig):
     """Run folder: metrics.jsonl, config.yaml, report.md, global_step_N/ checkpoints."""
     experiment_name: str = "sft"
     """Run name for tensorboard/wandb."""
+    save_freq: int | Literal["after_each_epoch"] = -1
+    """Checkpoint every N steps, or after_each_epoch (verl's sft_trainer; -1: only at the end)."""
+    test_freq: int | Literal["after_each_epoch"] = -1
+    """Validate every N steps, or after_each_epoch (verl's sft_trainer; -1: only before and after training)."""
 
 
 @dataclass(frozen=True)
@@ -337,6 +341,10 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     total_steps = cfg.trainer.total_training_steps
     if total_steps is None:
         total_steps = cfg.trainer.total_epochs * sampler.steps_per_epoch
+    epoch = sampler.steps_per_epoch
+    test_freq, save_freq = (
+        epoch if f == "after_each_epoch" else f for f in (cfg.trainer.test_freq, cfg.trainer.save_freq)
+    )
     optimizer, scheduler = optim.build(model.parameters(), cfg.optim, total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
 
@@ -431,11 +439,11 @@ def main(cfg: SFTConfig) -> dict[str, float]:
             peaks = [v for k, v in memory.items() if k.endswith("_peak_allocated_gb")]
             metrics["perf/max_memory_allocated_gb"] = max([torch.cuda.max_memory_allocated() / 2**30, *peaks])
         last = step == total_steps
-        if val_ds is not None and (last or (cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0)):
+        if val_ds is not None and (last or (test_freq > 0 and step % test_freq == 0)):
             metrics["val/loss"] = validate(model, val_ds, cfg, d.device)
         logger.log(metrics, step=step)
         results.update({k: v for k, v in metrics.items() if k in ("train/loss", "val/loss")})
-        if guard.stop or last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+        if guard.stop or last or (save_freq > 0 and step % save_freq == 0):
             save()
         if guard.stop:
             logger.close()

@@ -108,3 +108,39 @@ def test_verl_command_line_with_nested_keys_and_debug(toy_dir, tmp_path, one_ran
     losses = [r["train/loss"] for r in read_metrics(run)]
     assert [line.split(":")[0] for line in lines] == ["debug step 1", "debug step 2"]
     assert f"loss {losses[0]:.4f}, grad_norm " in lines[0] and "no CUDA device" in lines[0]
+
+
+def test_verl_engine_layout_with_epoch_frequencies(toy_dir, tmp_path, one_rank):
+    """verl's sft_trainer command line (model.path, engine.*, engine=fsdp optim=fsdp, a messages column) trains in
+    process; trainer.test_freq / save_freq=after_each_epoch validate and save at each epoch's last step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import config
+    import sft
+
+    flat = pq.read_table(toy_dir / "sft/train.parquet").slice(0, 16).to_pylist()
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
+             for r in flat]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(chats[:4]), tmp_path / "val.parquet")
+    run = tmp_path / "run"
+    cfg = config.parse(
+        sft.SFTConfig,
+        [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'val.parquet'}",
+         "data.messages_key=messages", "data.max_length=64", "data.train_batch_size=8",
+         "data.micro_batch_size_per_gpu=4", f"model.path={toy_dir / 'model'}", "engine=fsdp", "optim=fsdp",
+         "engine.strategy=fsdp2", "optim.lr=3e-3", f"trainer.default_local_dir={run}", "trainer.logger=jsonl",
+         "trainer.total_epochs=3", "trainer.test_freq=after_each_epoch", "trainer.save_freq=after_each_epoch"],
+    )  # fmt: skip
+    assert cfg.trainer.test_freq == cfg.trainer.save_freq == "after_each_epoch"
+    sft.main(cfg)
+    m = read_metrics(run)
+    assert [r["step"] for r in m if "val/loss" in r] == [0, 2, 4, 6]  # before; 16 rows / 8 a step: 2 an epoch
+    assert sorted(p.name for p in run.glob("global_step_*")) == [
+        "global_step_2",
+        "global_step_4",
+        "global_step_6",
+    ]
+    val = [r["val/loss"] for r in m if "val/loss" in r]
+    assert val[-1] < val[0]  # it learned
