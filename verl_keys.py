@@ -437,19 +437,24 @@ RL_TRAINER: dict[str, Rule] = {
     "v1.*": Ignore("read only by verl's asynchronous trainer modes"),
 }
 
+# verl's reward manager and sandbox keys: at the top level, and under reward.* in verl 0.9.1.
+REWARD_MANAGER: dict[str, Rule] = {
+    "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
+    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
+    "reward_manager.module.path": Only((None,), NO_CODE),
+    "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
+    "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
+    "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
+}
+
 # reward.* (verl 0.9.1 gathers the reward settings here; the top-level names still work there, and here).
 RL_REWARD: dict[str, Rule] = {
     "custom_reward_function.path": Map("custom_reward_function.path"),
     "custom_reward_function.name": Map("custom_reward_function.name"),
     "num_workers": Map("custom_reward_function.num_workers", why="processes scoring the responses"),
-    "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
-    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
-    "reward_manager.module.path": Only((None,), NO_CODE),
-    "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
     "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
     "reward_model.*": Ignore("read only with reward_model.enable"),
-    "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
-    "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
+    **REWARD_MANAGER,
 }
 
 RL: dict[str, Rule] = {
@@ -476,13 +481,8 @@ RL: dict[str, Rule] = {
     ),
     "reward_model.sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
     "reward_model.*": Ignore("read only with reward_model.enable"),
-    "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
-    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
-    "reward_manager.module.path": Only((None,), NO_CODE),
-    "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
+    **REWARD_MANAGER,
     **_under("reward", RL_REWARD),
-    "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
-    "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
     "distillation.enabled": Only((False,), "no distillation from a teacher model"),
     "distillation.*": Ignore("read only with distillation.enabled"),
     "skip.rollout.enable": Only((False,), "every step generates"),
