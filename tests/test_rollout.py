@@ -390,6 +390,7 @@ def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
     if level == 2:
         with pytest.raises(RuntimeError, match="push_weights"):
             engine.generate(PROMPTS, greedy, 16)
+    torch.cuda.empty_cache()  # no block cached from generation: the tensors below land where the comments say
     scratch = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")  # a training phase's activations...
     del scratch  # ...freed, but kept reserved by torch's caching allocator
     survivor = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # lands in the freed block
