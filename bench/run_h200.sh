@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure of bench/README.md on one H200, in two device calls of under 10 minutes each, after vLLM 0.24 is
+# Every figure of bench/README.md on one H200, in device calls of under 10 minutes each, after vLLM 0.24 is
 # installed per the workplace GPU notes (three back-to-back calls; this goes in the third or a later one):
 #
 #   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
@@ -14,6 +14,20 @@
 # optional: carry .gpu_trl/ (bench/build_trl_payload.sh) with call B and it is unpacked into /tmp/site;
 # without it bench_e2e.py reports TRL as skipped. Each bench writes one JSON file under $OUT (6 at most, plus
 # this script's log), so the files come back even when a later bench fails or the call runs out of time.
+#
+# Issue 21's runs (verl beside flatrl and TRL; memory with the defaults; the levers), named parts, each one
+# call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
+# environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
+#   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
+#   defaults   (no carry, ~6 min)      flatrl with its defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
+#   verl       (carry .gpu_verl1, ~8 min)  unpacks verl (first time), then verl at $MODEL, flatrl's figures from
+#                                      the defaults part's JSON on this machine (--flatrl-from), so the ratios come out
+#   levers     (no carry, ~7 min)      flatrl alone at 0.5b: --checkpoint-layers auto, --no-expandable-segments,
+#                                      --async-steps 1 --engine-process
+#   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
+#   smollm2    (carry .gpu_smol4 .gpu_trl; the calls before it copied .gpu_smol1-3 into /tmp/smol_parts,
+#              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then flatrl with async + engine process
+# e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-1}
@@ -23,6 +37,10 @@ mkdir -p "$OUT" "$WORK"
 log="$OUT/run_h200_part$part.log"
 exec > >(tee -a "$log") 2>&1
 echo "== run_h200.sh part $part, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
+if [ -f /tmp/site/vllm/__init__.py ]; then  # the vLLM payload's environment (.gpu3/device_install.sh's exports)
+  case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -32,6 +50,11 @@ if [ -d .gpu_trl ] && [ ! -d /tmp/site/tyro ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_trl/*.whl
 fi
 python3 -c "import tyro" || echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh); grpo.py and toy.py fail without it"
+
+MODEL=${MODEL:-0.5b}
+keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
+  mkdir -p "$WORK/json" && [ -f "$OUT/$1" ] && cp "$OUT/$1" "$WORK/json/"
+}
 
 run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next bench still runs
   local name=$1; shift
@@ -72,7 +95,44 @@ elif [ "$part" = 3 ]; then  # flatrl with gradient checkpointing, TRL's setting 
 elif [ "$part" = 4 ]; then  # flatrl with the optimizer state off the device in the rollout, against TRL (7.5 min, 8723179)
   run e2e-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --offload-optimizer \
     --out "$OUT/e2e_offload.json"
+elif [ "$part" = gpu-tests ]; then
+  run gpu-tests python3 -m pytest -q -rs -m gpu tests/ -k "not sleep_wake"
+  for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
+    run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
+  done
+elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every layer, expandable segments, share 0.3
+  run e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
+    --out "$OUT/e2e_defaults_$MODEL.json"
+  keep "e2e_defaults_$MODEL.json"
+elif [ "$part" = verl ]; then
+  if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
+  from=$WORK/json/e2e_defaults_$MODEL.json
+  [ -f "$from" ] && from_args=(--skip-flatrl --flatrl-from "$from") || from_args=()  # else flatrl runs here too
+  run e2e-verl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}" \
+    --timeout-s 420 --out "$OUT/e2e_verl_$MODEL.json"
+  [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
+elif [ "$part" = levers ]; then
+  run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --checkpoint-layers auto \
+    --out "$OUT/e2e_auto.json"
+  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+    --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
+  run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --async-steps 1 \
+    --engine-process --out "$OUT/e2e_async.json"
+elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0.5B; 0.3 of the H200 holds 42 GiB
+  run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+    --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
+  run e2e-share012-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+    --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --out "$OUT/e2e_share012_async.json"
+elif [ "$part" = smollm2 ]; then
+  mkdir -p /tmp/smol_parts && cp .gpu_smol4/* /tmp/smol_parts/ 2>/dev/null
+  run smollm2-unpack bash scripts/smollm2_payload.sh unpack
+  run smollm2-convert python3 scripts/get_smollm2.py \
+    --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
+  run e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
+    --peers trl --out "$OUT/e2e_smollm2.json"
+  run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
+    --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|share|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
