@@ -377,7 +377,10 @@ def _expandable_segments(on: bool) -> None:
     """Switches torch's caching allocator between expandable segments (on: one growing mapping per pool, whose free
     pages empty_cache unmaps one by one) and whole cudaMalloc'd blocks (off, torch's default). It applies to the
     segments made from now on."""
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+    # torch 2.13 deprecates the torch.cuda name for the accelerator-wide setter that 2.11 (the H200's) may lack
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    set_settings = set_settings or torch.cuda.memory._set_allocator_settings
+    set_settings(f"expandable_segments:{on}")
 
 
 @contextlib.contextmanager
