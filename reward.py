@@ -297,6 +297,13 @@ def _scorer_for(data_source: Any) -> Callable[[str, Any], float] | None:
     return None
 
 
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (verl's dapo reward manager): 0 for a response of up to max_len -
+    buffer_len tokens, then -factor x (the tokens past that) / buffer_len: -factor at max_len, and further down
+    past it (a max_len below the response cap)."""
+    return min(-(length - (max_len - buffer_len)) / buffer_len * factor, 0.0)
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:

@@ -74,6 +74,26 @@ class RLDataConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment, verl's dapo reward manager (reward_model.reward_manager=dapo with
+    reward_kwargs.overlong_buffer_cfg): a response of L tokens gets reward.overlong_penalty added to its score,
+    0 up to max_resp_len - len tokens, then falling linearly to -penalty_factor at max_resp_len. Applied to
+    training and validation rewards alike, as verl's manager scores both."""
+
+    enable: bool = False
+    """Add the penalty to every reward."""
+    len: Annotated[int, config.AT_LEAST_ONE] = 4096
+    """Tokens before max_resp_len over which the penalty grows (the buffer)."""
+    penalty_factor: Annotated[float, config.NON_NEGATIVE] = 1.0
+    """The penalty at max_resp_len tokens."""
+    max_resp_len: Annotated[int | None, config.AT_LEAST_ONE] = None
+    """The length at which the penalty is penalty_factor (verl's reward_kwargs.max_resp_len); None:
+    data.max_response_length, as verl's DAPO recipe sets it."""
+    log: bool = False
+    """Log reward/overlong_reward (the mean penalty) and reward/overlong (the share of penalised responses)."""
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """Reward function and its worker pool (verl's custom_reward_function)."""
 
@@ -90,6 +110,8 @@ class RewardConfig:
     """Stop the run when more than this fraction of one batch's reward calls fail (1.0: never)."""
     max_abs_reward: Annotated[float, config.POSITIVE] = 1e6
     """A reward beyond +-this scores 0 and counts in reward/errors_out_of_range (1e308 would make the loss NaN)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's length penalty (verl's reward_kwargs.overlong_buffer_cfg), added to the function's reward."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +241,7 @@ def start(cfg: Any) -> Run:
     fn_spec = (rc.path, rc.name) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
     reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
+    overlong_buffer(cfg)  # a buffer longer than its max_resp_len is an error now, not at the first score
     pool = reward_pool.RewardPool(
         fn_spec,
         num_workers=rc.num_workers,
@@ -455,9 +478,31 @@ class RolloutAhead:
         return {"perf/gen_ahead_s": self.seconds}
 
 
-def score(pool: reward_pool.RewardPool, samples: list[actor.Sample], prompts: list[dict], tokenizer) -> dict:
+def overlong_buffer(cfg: Any) -> OverlongBufferConfig | None:
+    """custom_reward_function.overlong_buffer with max_resp_len resolved (None: data.max_response_length), or None
+    when it is off."""
+    ob = cfg.custom_reward_function.overlong_buffer
+    if not ob.enable:
+        return None
+    ob = dataclasses.replace(ob, max_resp_len=ob.max_resp_len or cfg.data.max_response_length)
+    if ob.len > ob.max_resp_len:
+        raise ValueError(
+            f"custom_reward_function.overlong_buffer.len={ob.len} must be at most its max_resp_len={ob.max_resp_len}"
+            " (None: data.max_response_length): the penalty starts max_resp_len - len tokens into a response"
+        )
+    return ob
+
+
+def score(
+    pool: reward_pool.RewardPool,
+    samples: list[actor.Sample],
+    prompts: list[dict],
+    tokenizer,
+    overlong: OverlongBufferConfig | None = None,
+) -> dict:
     """Decodes the responses (in one batch: the tokenizer's Rust side, threads where TOKENIZERS_PARALLELISM
-    allows), scores them, stores sample.score; returns the pool's reward/errors* metrics."""
+    allows), scores them, adds DAPO's length penalty when `overlong` is given (overlong_buffer(cfg)), stores
+    sample.score; returns the pool's reward/errors* metrics (and the penalty's, when overlong.log)."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     items = []
     for s, text in zip(samples, texts, strict=True):
@@ -472,8 +517,19 @@ def score(pool: reward_pool.RewardPool, samples: list[actor.Sample], prompts: li
             )
         )
     scores, metrics = pool.score(items)
-    for s, r in zip(samples, scores, strict=True):
-        s.score = float(r)
+    penalties = [0.0] * len(samples)
+    if overlong is not None:
+        penalties = [
+            reward.overlong_penalty(
+                len(s.response_ids), overlong.max_resp_len, overlong.len, overlong.penalty_factor
+            )
+            for s in samples
+        ]
+        if overlong.log and samples:  # verl's reward_extra_info keys, as means over this rank's responses
+            metrics["reward/overlong_reward"] = sum(penalties) / len(samples)
+            metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(samples)
+    for s, r, p in zip(samples, scores, penalties, strict=True):
+        s.score = float(r) + p
     return metrics
 
 
@@ -485,7 +541,7 @@ def score_in_background(run: Run, samples: list[actor.Sample], prompts: list[dic
 
     def job() -> dict[str, float]:
         start = time.perf_counter()
-        metrics = score(run.pool, samples, prompts, run.tokenizer)
+        metrics = score(run.pool, samples, prompts, run.tokenizer, overlong_buffer(run.cfg))
         return metrics | {"perf/reward_scoring_s": time.perf_counter() - start}
 
     if run.pool.num_workers == 0:  # in process: its timeout is a SIGALRM, which only the main thread gets
@@ -537,7 +593,7 @@ def validate(run: Run, engine: rollout.Engine, step: int) -> dict[str, float]:
     if mine:
         seed = rollout_seed(cfg.rollout.seed, -1, dp_rank)
         samples = sample(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length, seed)
-    score(run.pool, samples, mine, run.tokenizer)
+    score(run.pool, samples, mine, run.tokenizer, overlong_buffer(cfg))
     w = float(run.dist.rank % run.tp == 0)  # the tp ranks of an engine hold the same responses: count once
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     rows = [

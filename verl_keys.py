@@ -90,7 +90,10 @@ TEXT_ONLY = "text-only data"
 ALL_ROWS = "every row is used; cut the file instead"
 NO_CRITIC = "grpo.py trains no critic (ppo.py does)"
 SAMPLES = "a few validation generations are printed on the console; none go to the logger"
-REWARD_FN = "flatrl's reward pool scores each response with the function, as verl's naive (and prime) manager"
+REWARD_FN = (
+    "flatrl's reward pool scores each response with the function, as verl's naive, prime and dapo managers; "
+    "dapo's length penalty is reward_kwargs.overlong_buffer_cfg"
+)
 MB_IN_ORDER = "a step's samples are already a random draw of prompts; mini-batches take them in that order"
 MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
 NO_QAT = "no quantization-aware training"
@@ -440,11 +443,22 @@ RL_TRAINER: dict[str, Rule] = {
 # verl's reward manager and sandbox keys: at the top level, and under reward.* in verl 0.9.1.
 REWARD_MANAGER: dict[str, Rule] = {
     "reward_manager.source": Only(("register",), "flatrl has one reward manager"),
-    "reward_manager.name": Only(("naive", "prime"), REWARD_FN),
+    "reward_manager.name": Only(("naive", "prime", "dapo"), REWARD_FN),
     "reward_manager.module.path": Only((None,), NO_CODE),
     "reward_manager.module.name": Ignore("read only with reward_manager.module.path"),
     "sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
     "sandbox_fusion.*": Ignore("read only with sandbox_fusion.url"),
+}
+
+# verl's dapo reward manager reads reward_kwargs (reward_model.reward_kwargs, reward.reward_kwargs in verl 0.9.1);
+# verl's DAPO recipe had the same buffer as reward_model.overlong_buffer, with data.max_response_length for its end.
+OVERLONG = "custom_reward_function.overlong_buffer"
+REWARD_KWARGS: dict[str, Rule] = {
+    **{
+        f"reward_kwargs.overlong_buffer_cfg.{k}": Map(f"{OVERLONG}.{k}", why="DAPO's length penalty")
+        for k in ("enable", "len", "penalty_factor", "log")
+    },
+    "reward_kwargs.max_resp_len": Map(f"{OVERLONG}.max_resp_len", why="DAPO's length penalty"),
 }
 
 # reward.* (verl 0.9.1 gathers the reward settings here; the top-level names still work there, and here).
@@ -455,6 +469,7 @@ RL_REWARD: dict[str, Rule] = {
     "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
     "reward_model.*": Ignore("read only with reward_model.enable"),
     **REWARD_MANAGER,
+    **REWARD_KWARGS,
 }
 
 RL: dict[str, Rule] = {
@@ -475,11 +490,16 @@ RL: dict[str, Rule] = {
     "reward_model.enable": Only(
         (False, None), "flatrl scores with reward functions (reward.py), no reward model"
     ),
-    "reward_model.reward_manager": Only(("naive", "prime", None), REWARD_FN),
+    "reward_model.reward_manager": Only(("naive", "prime", "dapo", None), REWARD_FN),
     "reward_model.launch_reward_fn_async": Ignore(
         "flatrl always scores in the background, beside the logprobs"
     ),
     "reward_model.sandbox_fusion.url": Only((None,), "no sandboxed code execution"),
+    **_under("reward_model", REWARD_KWARGS),
+    **{
+        f"reward_model.overlong_buffer.{k}": Map(f"{OVERLONG}.{k}", why="DAPO's length penalty")
+        for k in ("enable", "len", "penalty_factor", "log")
+    },
     "reward_model.*": Ignore("read only with reward_model.enable"),
     **REWARD_MANAGER,
     **_under("reward", RL_REWARD),
