@@ -186,7 +186,11 @@ def _coerce(tp: Any, value: Any, key: str, source: Source, base: Any = None) -> 
     )
     if origin is typing.Annotated:  # tyro.conf markers wrap the real type
         return _coerce(args[0], value, key, source, base)
-    if tp is Any:
+    if tp is Any:  # command-line values inside read as Hydra reads them
+        if isinstance(value, Mapping):
+            return {k: _coerce(Any, v, f"{key}.{k}", source) for k, v in value.items()}
+        if isinstance(value, list):
+            return [_coerce(Any, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

@@ -273,9 +273,14 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def field_type(cls: type, key: str) -> Any | None:
-    """The type of dotted field `key` in dataclass tree `cls`, or None if there is no such field."""
+    """The type of dotted field `key` in dataclass tree `cls`, or None if there is no such field. Under a
+    `dict[str, V]` field any name is a key of V (custom_reward_function.reward_kwargs.alpha)."""
     tp: Any = cls
-    for part in key.split("."):
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if typing.get_origin(tp) is dict:
+            value = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+            return value if i == len(parts) - 1 or value is Any else None  # Any: nested mappings too
         if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
             return None
         names = {f.name for f in dataclasses.fields(tp) if f.init}

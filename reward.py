@@ -27,12 +27,13 @@ Deviations from verl / TinyZero:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
 import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -272,7 +273,9 @@ def format_reward(solution: str) -> float:
 
 # ---------------------------------------------------------------- dispatch
 
-FnSpec = tuple[str, str | None] | None  # (path, name) for load_reward_fn, or None for default_compute_score
+# (path, name) for load_reward_fn, and optionally the function's extra keyword arguments (custom_reward_function.
+# reward_kwargs); None for default_compute_score
+FnSpec = tuple[str, str | None] | tuple[str, str | None, Mapping[str, Any]] | None
 GSM8K_SOURCES = ("openai/gsm8k", "flatrl/toy")  # toy.py's solutions end in `#### N`
 MATH_SOURCES = (
     "lighteval/MATH",
@@ -376,8 +379,15 @@ def load_reward_fn(path: str | None, name: str | None) -> Callable:
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def adapt_reward_fn(fn: Callable) -> Callable[[dict], Any]:
-    """Wrap `fn` as `scorer(item) -> float | dict`, item having the keys RewardPool.score documents.
+def load_scorer(fn_spec: FnSpec) -> Callable[[dict], Any]:
+    """The scorer of a pool's spec: the function (load_reward_fn) with its keyword arguments, adapted."""
+    path, name, kwargs = (*fn_spec, {})[:3] if fn_spec else (None, None, {})
+    return adapt_reward_fn(load_reward_fn(path, name), kwargs)
+
+
+def adapt_reward_fn(fn: Callable, kwargs: Mapping[str, Any] | None = None) -> Callable[[dict], Any]:
+    """Wrap `fn` as `scorer(item) -> float | dict`, item having the keys RewardPool.score documents; `kwargs`
+    (verl's custom_reward_function.reward_kwargs) go to every call, each by name, as verl binds them.
 
     The rule, from `inspect.signature(fn)`:
     1. parameters named `prompt` and `response` (and no `solution_str`): plain, `fn(prompt=, response=)`;
@@ -386,8 +396,24 @@ def adapt_reward_fn(fn: Callable) -> Callable[[dict], Any]:
     3. otherwise by the count of named positional parameters: 2 -> plain `fn(prompt, response)`; 3 or more
        -> verl, positionally, `fn(data_source, solution_str, ground_truth, extra_info)` cut to that count.
     Raises:
-        TypeError if none applies.
+        TypeError if none applies, or a keyword argument is not the function's (or names one of the row's).
     """
+    if kwargs:
+        params = inspect.signature(fn).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        row = set(_VERL_ARGS) | {"prompt", "response"}
+        for k in kwargs:
+            if k in row or not (k in params or takes_any):
+                why = (
+                    "names an argument of the row"
+                    if k in row
+                    else "is not a parameter of it, and it takes no **kwargs"
+                )
+                raise TypeError(
+                    f"custom_reward_function.reward_kwargs.{k}: {why} ({getattr(fn, '__name__', fn)}"
+                    f"{inspect.signature(fn)})"
+                )
+        fn = functools.partial(fn, **kwargs)
     params = inspect.signature(fn).parameters
     kinds = [p.kind for p in params.values()]
     if {"prompt", "response"} <= params.keys() and "solution_str" not in params:

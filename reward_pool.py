@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from reward import FnSpec, adapt_reward_fn, load_reward_fn
+from reward import FnSpec, load_scorer
 
 _log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _worker_main(fd: int) -> None:
     conn = Connection(fd)
     fn_spec, print_is_error = conn.recv()
     try:
-        scorer = adapt_reward_fn(load_reward_fn(*(fn_spec or (None, None))))
+        scorer = load_scorer(fn_spec)
     except Exception as e:
         conn.send(("init_error", _cap(f"{type(e).__name__}: {e}")))
         return
@@ -171,7 +171,8 @@ class RewardPool:
     """Score (prompt, response) items with a reward function in worker processes, never raising for one call.
 
     Args:
-        fn_spec: (path, name) of a custom function (see load_reward_fn), or None for default_compute_score.
+        fn_spec: (path, name) of a custom function (see load_reward_fn), or (path, name, keyword arguments for
+            every call), or None for default_compute_score.
         num_workers: worker processes; 0 scores in this process (for debugging: breakpoints work). There a finite
             timeout_s is enforced with SIGALRM, which works only in the main thread: score() from another thread
             raises then, unless timeout_s is inf.
@@ -215,7 +216,7 @@ class RewardPool:
         if fn_spec is not None and not Path(fn_spec[0]).expanduser().is_file():
             raise FileNotFoundError(f"reward function file not found: {fn_spec[0]}")
         if num_workers == 0:
-            self._scorer = adapt_reward_fn(load_reward_fn(*(fn_spec or (None, None))))
+            self._scorer = load_scorer(fn_spec)
             return
         self._workers = [_Worker(fn_spec, print_is_error) for _ in range(num_workers)]
         for w in self._workers:  # wait for every worker to load the function, so a bad spec fails here

@@ -110,8 +110,19 @@ class RewardConfig:
     """Stop the run when more than this fraction of one batch's reward calls fail (1.0: never)."""
     max_abs_reward: Annotated[float, config.POSITIVE] = 1e6
     """A reward beyond +-this scores 0 and counts in reward/errors_out_of_range (1e308 would make the loss NaN)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the function at path, beside the row's (verl's custom_reward_function.reward_kwargs:
+    `+custom_reward_function.reward_kwargs.alpha=0.5`); each must be a parameter of the function, or it must
+    take **kwargs."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's length penalty (verl's reward_kwargs.overlong_buffer_cfg), added to the function's reward."""
+
+    def __post_init__(self) -> None:
+        if self.reward_kwargs and not self.path:
+            raise ValueError(
+                f"custom_reward_function.reward_kwargs={self.reward_kwargs} needs custom_reward_function.path: the "
+                "built-in scorers (reward.default_compute_score) take no extra arguments"
+            )
 
 
 @dataclass(frozen=True)
@@ -238,7 +249,7 @@ def start(cfg: Any) -> Run:
         if total_steps is None:
             total_steps = cfg.trainer.total_epochs * sampler.steps_per_epoch
     rc = cfg.custom_reward_function
-    fn_spec = (rc.path, rc.name) if rc.path else None
+    fn_spec = (rc.path, rc.name, rc.reward_kwargs) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
     reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
     overlong_buffer(cfg)  # a buffer longer than its max_resp_len is an error now, not at the first score

@@ -206,6 +206,7 @@ RL_PREFIXES = {
     "actor_rollout_ref.actor.": "actor.",
     "actor_rollout_ref.model.": "model.",
     "actor_rollout_ref.rollout.": "rollout.",
+    "reward.custom_reward_function.": "custom_reward_function.",  # verl 0.9.1's place for it
 }
 
 # actor_rollout_ref.model.*: path, trust_remote_code, enable_gradient_checkpointing, use_remove_padding,
@@ -463,8 +464,7 @@ REWARD_KWARGS: dict[str, Rule] = {
 
 # reward.* (verl 0.9.1 gathers the reward settings here; the top-level names still work there, and here).
 RL_REWARD: dict[str, Rule] = {
-    "custom_reward_function.path": Map("custom_reward_function.path"),
-    "custom_reward_function.name": Map("custom_reward_function.name"),
+    # custom_reward_function.* moves to flatrl's custom_reward_function.* (RL_PREFIXES)
     "num_workers": Map("custom_reward_function.num_workers", why="processes scoring the responses"),
     "reward_model.enable": Only((False,), "flatrl scores with reward functions (reward.py), no reward model"),
     "reward_model.*": Ignore("read only with reward_model.enable"),

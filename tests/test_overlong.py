@@ -107,7 +107,8 @@ def test_verl_spellings_map_to_the_buffer(args, capsys):
 
 
 def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tmp_path):
-    """GRPO on the untrained toy (hf engine, one rank), reward 0 from the function, so the penalty of every token
+    """GRPO on the untrained toy (hf engine, one rank), a constant reward from the function (reward_kwargs' offset:
+    the kwargs reach it in a run), so the penalty of every token
     past the first is all there is to learn: the mean response length falls (measured: 3.8 tokens over the first
     two steps, 1.0 over the last two) and the logged penalty rises towards 0.
     The untrained toy almost never stops within 8 tokens, so its copy here stops at any of 64 byte tokens too
@@ -119,7 +120,8 @@ def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tm
     (model / "generation_config.json").write_text(json.dumps(gen))
     fn = tmp_path / "zero.py"
     fn.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, offset=None):\n"
+        "    return offset\n"
     )
     run_dir = tmp_path / "run"
     cfg = grpo.GRPOConfig(
@@ -137,6 +139,7 @@ def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tm
         rollout=rollout.RolloutConfig(name="hf", n=8),
         custom_reward_function=rl.RewardConfig(
             path=str(fn),
+            reward_kwargs={"offset": 0.25},  # the same for every response: no advantage, no learning
             num_workers=0,
             overlong_buffer=rl.OverlongBufferConfig(enable=True, len=7, log=True),
         ),
@@ -153,5 +156,29 @@ def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tm
     first, last = sum(lengths[:2]) / 2, sum(lengths[-2:]) / 2
     assert last < first - 1.5 and last < 1.6, lengths
     assert sum(penalties[-2:]) / 2 > sum(penalties[:2]) / 2 + 0.2, penalties
-    for r in rows:  # the logged reward is the penalty itself: the function scores 0
-        assert r["reward/mean"] == pytest.approx(r["reward/overlong_reward"], abs=1e-6)
+    for r in rows:  # the logged reward: the function's (its keyword argument) plus the penalty
+        assert r["reward/mean"] == pytest.approx(0.25 + r["reward/overlong_reward"], abs=1e-6)
+
+
+def test_verl_reward_kwargs_reach_the_config(tmp_path, capsys):
+    """`+custom_reward_function.reward_kwargs.K=V` (and verl 0.9.1's `reward.custom_reward_function.*`) fill the
+    dict field, nested keys as mappings, values read as Hydra reads them; the resolved config loads back equal;
+    `~` removes one; without a function path they are refused by name."""
+    args = [
+        "custom_reward_function.path=/f.py",
+        "+custom_reward_function.reward_kwargs.alpha=0.8",
+        "+reward.custom_reward_function.reward_kwargs.judge.max_tokens=512",
+        "+custom_reward_function.reward_kwargs.mode=strict",
+    ]
+    cfg = config.parse(grpo.GRPOConfig, args)
+    want = {"alpha": 0.8, "judge": {"max_tokens": 512}, "mode": "strict"}
+    assert cfg.custom_reward_function.reward_kwargs == want
+    saved = tmp_path / "c.yaml"
+    saved.write_text(config.to_yaml(cfg))
+    assert config.parse(grpo.GRPOConfig, ["--config", str(saved)]) == cfg
+    less = config.parse(
+        grpo.GRPOConfig, ["--config", str(saved), "~custom_reward_function.reward_kwargs.alpha"]
+    )
+    assert less.custom_reward_function.reward_kwargs == {"judge": {"max_tokens": 512}, "mode": "strict"}
+    with pytest.raises(SystemExit, match=r"reward_kwargs=\{'alpha': 1\} needs custom_reward_function.path"):
+        config.parse(grpo.GRPOConfig, ["+custom_reward_function.reward_kwargs.alpha=1"])

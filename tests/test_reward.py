@@ -622,3 +622,30 @@ def test_huge_rewards_are_refused_and_counted(rewards_py):
     with RewardPool((rewards_py, "mixed"), num_workers=1, max_abs_reward=2.0, max_error_frac=1.0) as pool:
         rewards, metrics = pool.score(items)
     assert rewards == [0.0, 0.0, 0.0, 0.0] and metrics["reward/errors_out_of_range"] == 4.0
+
+
+def test_reward_kwargs_reach_every_call(tmp_path):
+    """custom_reward_function.reward_kwargs (verl's `+custom_reward_function.reward_kwargs.K=V`): bound by name in
+    the worker processes and in process; a name the function does not take, or one of the row's, is refused at
+    load with the function's signature."""
+    path = tmp_path / "kw.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=None):\n"
+        "    return scale * len(solution_str) + (bonus or {}).get('x', 0)\n"
+        "def any_kwargs(data_source, solution_str, ground_truth, **kw):\n"
+        "    return float(kw['alpha'])\n"
+    )
+    kwargs = {"scale": 0.5, "bonus": {"x": 10}}
+    for workers in (0, 2):
+        with RewardPool((str(path), None, kwargs), num_workers=workers) as pool:
+            rewards, _ = pool.score([_item("abcd"), _item("ab")])
+        assert rewards == [12.0, 11.0], workers
+    with RewardPool((str(path), None), num_workers=0) as pool:  # no kwargs: the defaults
+        assert pool.score([_item("abcd")])[0] == [4.0]
+    assert reward.load_scorer((str(path), "any_kwargs", {"alpha": 3}))(_item("a")) == 3.0
+    with pytest.raises(TypeError, match=r"reward_kwargs.gamma: is not a parameter.*scale=1.0"):
+        reward.load_scorer((str(path), None, {"gamma": 1}))
+    with pytest.raises(TypeError, match="reward_kwargs.extra_info: names an argument of the row"):
+        reward.load_scorer((str(path), "any_kwargs", {"extra_info": {}}))
+    with pytest.raises(ValueError, match="failed to load in a worker.*gamma"):
+        RewardPool((str(path), None, {"gamma": 1}), num_workers=1)
