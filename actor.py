@@ -186,6 +186,9 @@ class Sample:
     finish_reason: str
     group: int  # index of its prompt in this rank's share of the step's prompts
     score: float = 0.0
+    reward_info: dict[str, float] = field(
+        default_factory=dict
+    )  # the function's own score and dict keys (rl.score)
     advantages: float | torch.Tensor = 0.0  # one value for every token, or [L]
     old_logprobs: torch.Tensor | None = None  # [L], the trainer's at the sampling temperature
     ref_logprobs: torch.Tensor | None = None  # [L]

@@ -3,7 +3,9 @@
 Every rank holds a shard of the policy (FSDP2) and a whole vLLM engine on the same device. One step (main's loop,
 in this order):
   1. prompts: this rank's share of `data.train_batch_size`;
-  2. generate: `rollout.n` responses to each, from this rank's engine;
+  2. generate: `rollout.n` responses to each, from this rank's engine (with `algorithm.filter_groups`, DAPO's
+     dynamic sampling: scored at once, the groups that all score the same dropped, and more batches drawn until
+     the batch is full: `filtered_rollouts`);
   3. score: the reward workers (reward.py) score them in the background while the engine sleeps and the
      logprob passes run;
   4. logprob passes: the old logprobs only when the update takes several optimizer steps (else its own forward
@@ -57,6 +59,23 @@ import rollout
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups; arXiv:2503.14476): a prompt whose n responses all
+    score the same has zero advantage and teaches nothing. With enable, such groups are dropped and more prompts
+    are drawn and generated, a data.train_batch_size batch at a time, until every rank holds its share of the
+    batch in groups that differ (`filtered_rollouts`)."""
+
+    enable: bool = False
+    """Drop the groups without spread and generate more."""
+    metric: str = "reward"
+    """What must differ within a group: reward (the sequence reward, DAPO's length penalty included), score or
+    acc (the reward function's own value), or another numeric key of the function's dict result."""
+    max_num_gen_batches: Annotated[int, config.NON_NEGATIVE] = 0
+    """Stop the run with an error when a step has generated this many batches without filling its own (0: no
+    limit; the data is then too easy or too hard for the model)."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantage estimation."""
 
@@ -74,6 +93,8 @@ class AlgorithmConfig:
     at rollout.temperature 1 (the engine reports temperature-1 logprobs)."""
     rollout_is: bool = False
     """Multiply each token's policy loss by its truncated weight; False: the mismatch/* metrics only."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling; see FilterGroupsConfig."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +264,68 @@ def policy_loss(
     return loss, metrics
 
 
+# ---------------------------------------------------------------------------------- dynamic sampling
+
+
+def filtered_rollouts(
+    run: rl.Run, engine: rollout.Engine, step: int, fg: FilterGroupsConfig
+) -> tuple[list[actor.Sample], list[dict], dict[str, float]]:
+    """DAPO's dynamic sampling: batches of prompts are drawn, generated and scored (round by round: the filter needs
+    the scores), and each group whose `fg.metric` differs somewhere is kept, until every rank holds its share of
+    data.train_batch_size (the rest of a round is dropped). All ranks draw and generate together, so the data
+    position and the tensor-parallel engines stay in step; a rank whose share is full still generates until the
+    last one's is. Returns this rank's samples (grouped, `group` indexing its prompts), its prompts, and the
+    reward pool's metrics summed (counts) or averaged (means) over the rounds, with rollout/num_gen_batches and
+    rollout/filtered_group_frac (the share of generated groups without spread)."""
+    quota = run.cfg.data.train_batch_size // run.dist.world_size
+    kept: list[actor.Sample] = []
+    kept_prompts: list[dict] = []
+    rounds: list[dict[str, float]] = []
+    generated = flat = 0
+    while True:
+        prompts, mine = run.next_prompts()
+        samples, prompts = rl.generate(run, engine, prompts, mine, step, round_=len(rounds))
+        rounds.append(rl.score_in_background(run, samples, prompts)())  # waits: the filter needs the scores
+        by_group: list[list[actor.Sample]] = [[] for _ in prompts]
+        for smp in samples:
+            by_group[smp.group].append(smp)
+        for prompt, group in zip(prompts, by_group, strict=True):
+            values = [smp.score if fg.metric == "reward" else _info(smp, fg.metric) for smp in group]
+            generated += 1
+            if len(set(values)) < 2:
+                flat += 1
+            elif len(kept_prompts) < quota:
+                for smp in group:
+                    smp.group = len(kept_prompts)
+                kept += group
+                kept_prompts.append(prompt)
+        if fsdp.all_reduce(float(len(kept_prompts) < quota)) == 0:  # every rank's share is full
+            break
+        if fg.max_num_gen_batches and len(rounds) >= fg.max_num_gen_batches:
+            raise RuntimeError(
+                f"step {step + 1}: {len(rounds)} generated batches (algorithm.filter_groups.max_num_gen_batches="
+                f"{fg.max_num_gen_batches}) left a rank with {len(kept_prompts)} of its {quota} prompts whose "
+                f"responses differ in {fg.metric}: the data is too easy or too hard for the model"
+            )
+    metrics = {
+        k: sum(r.get(k, 0.0) for r in rounds)
+        / (1 if k.startswith(("reward/errors", "reward/printed")) else len(rounds))
+        for k in rounds[0]
+    }
+    metrics["rollout/num_gen_batches"] = float(len(rounds))
+    metrics["rollout/filtered_group_frac"] = fsdp.all_reduce(float(flat)) / fsdp.all_reduce(float(generated))
+    return kept, kept_prompts, metrics
+
+
+def _info(smp: actor.Sample, metric: str) -> float:
+    if metric not in smp.reward_info:
+        raise KeyError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no such key; it has "
+            f"{['reward', *smp.reward_info]}"
+        )
+    return smp.reward_info[metric]
+
+
 # --------------------------------------------------------------------------------------------- loop
 
 
@@ -255,6 +338,12 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             "error: algorithm.rollout_is_threshold needs the engine's logprobs of every sample at temperature 1: "
             f"set rollout.logprob_check_prompts=-1 (now {cfg.rollout.logprob_check_prompts}) and "
             f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
+        )
+    fg = cfg.algorithm.filter_groups
+    if fg.enable and cfg.rollout.async_steps:
+        raise SystemExit(
+            "error: algorithm.filter_groups.enable needs rollout.async_steps=0: dynamic sampling scores each round "
+            "before it decides to generate more, and rollouts generated ahead are not scored yet"
         )
     run = rl.start(cfg)
     cfg, temperature = (
@@ -281,7 +370,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             with rl.step_timer(cfg) as timer:
                 # 1-2. prompts, and rollout.n responses to each
                 with timer("gen"):
-                    if ahead is None:
+                    if fg.enable:  # DAPO: generated and scored round by round until the groups differ
+                        samples, prompts, scored = filtered_rollouts(run, engine, step, fg)
+                    elif ahead is None:
                         # the engine's prompts; this rank trains on prompts[mine]
                         prompts, mine = run.next_prompts()
                         samples, prompts = rl.generate(run, engine, prompts, mine, step)
@@ -291,7 +382,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     # the next step's rollouts, with these weights, while this step trains
                     ahead.start(step + 1)
                 # 3. scores, in the reward workers while the engine sleeps and the passes below run
-                scores = rl.score_in_background(run, samples, prompts)
+                scores = scored.copy if fg.enable else rl.score_in_background(run, samples, prompts)
                 if ahead is None:
                     engine.sleep()  # frees the KV cache (and weights) for the trainer
                 # 4. logprob passes

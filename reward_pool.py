@@ -239,7 +239,8 @@ class RewardPool:
         Args:
             items: dicts with keys data_source, prompt, response, ground_truth, extra_info.
         Returns:
-            (rewards, metrics): one float per item, in order; metrics `reward/errors` (count of failed calls),
+            (rewards, metrics): one float per item, in order (their extra numeric keys in `last_extras`);
+            metrics `reward/errors` (count of failed calls),
             `reward/errors_{timeout,exception,bad_type,print,out_of_range}`, `reward/printed` (calls that
             printed to stdout, errors or not), and `reward/<key>` the mean of each extra numeric key of dict
             results over the items that returned it.
@@ -259,6 +260,7 @@ class RewardPool:
                 results[i] = ("out_of_range", 0.0, {}, why)
         rewards, errors, extras = [], dict.fromkeys(_ERROR_CAUSES, 0), defaultdict(list)
         self.last_errors = [r[3] for r in results if r[0] != "ok"]
+        self.last_extras = [r[2] for r in results]  # each item's extra keys ({} for a failed call)
         for status, value, extra, _ in results:
             rewards.append(value)
             if status != "ok":

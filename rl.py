@@ -395,9 +395,10 @@ def close(run: Run, engine: rollout.Engine | None) -> None:
 # ------------------------------------------------------------------------------------------ rollouts
 
 
-def rollout_seed(base: int, step: int, rank: int) -> int:
-    """The sampling seed of one rank's rollouts at one step: reproducible, distinct across steps and ranks."""
-    return (base * 1_000_003 + step * 10_007 + rank) % 2**31
+def rollout_seed(base: int, step: int, rank: int, round_: int = 0) -> int:
+    """The sampling seed of one rank's rollouts at one step (and generation round, for grpo.py's dynamic
+    sampling): reproducible, distinct across steps, ranks and rounds."""
+    return (base * 1_000_003 + step * 10_007 + rank + round_ * 104_729) % 2**31
 
 
 def sample(
@@ -414,13 +415,13 @@ def sample(
 
 
 def generate(
-    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int
+    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, round_: int = 0
 ) -> tuple[list[actor.Sample], list[dict]]:
-    """A training step's rollouts: rollout.n responses to each of the engine's prompts (at this step's seed),
-    of which this rank keeps those to prompts[mine]. Returns (its samples, with `group` indexing its prompts;
-    its prompts)."""
+    """A training step's rollouts: rollout.n responses to each of the engine's prompts (at this step's and
+    round's seed), of which this rank keeps those to prompts[mine]. Returns (its samples, with `group` indexing
+    its prompts; its prompts)."""
     cfg = run.cfg
-    seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp)
+    seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp, round_)
     samples = sample(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
     samples = [s for s in samples if mine.start <= s.group < mine.stop]
     for s in samples:
@@ -539,8 +540,13 @@ def score(
         if overlong.log and samples:  # verl's reward_extra_info keys, as means over this rank's responses
             metrics["reward/overlong_reward"] = sum(penalties) / len(samples)
             metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(samples)
-    for s, r, p in zip(samples, scores, penalties, strict=True):
+    extras = getattr(pool, "last_extras", None) or [{}] * len(samples)
+    for s, r, p, extra in zip(samples, scores, penalties, extras, strict=True):
         s.score = float(r) + p
+        s.reward_info = {
+            "score": float(r),
+            "acc": float(r),
+        } | extra  # verl's names for the function's own score
     return metrics
 
 

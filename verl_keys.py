@@ -379,7 +379,10 @@ RL_DATA: dict[str, Rule] = {
     "mm_processor_kwargs": Ignore(TEXT_ONLY),
     "mm_processor_kwargs.*": Ignore(TEXT_ONLY),
     "function_tool_path": Only((None,), "no tool calls (single-turn generation)"),
-    "gen_batch_size": Only((None,), "each step generates for data.train_batch_size prompts"),
+    "gen_batch_size": Ignore(
+        "each generation round draws data.train_batch_size prompts (verl 0.9.1's sampler: the fetch granularity, "
+        "one prompt at a time under algorithm.filter_groups)"
+    ),
 }
 
 # algorithm.*: adv_estimator and kl_penalty are flatrl's names; gamma, lam, use_kl_in_reward and kl_ctrl.* in
@@ -387,7 +390,7 @@ RL_DATA: dict[str, Rule] = {
 RL_ALGORITHM: dict[str, Rule] = {
     "use_pf_ppo": Only((False,), "no preference-feedback PPO reweighting"),
     "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo"),
-    "filter_groups.enable": Only((False,), "no DAPO dynamic sampling"),
+    "filter_groups.enable": Only((False,), "no DAPO dynamic sampling in ppo.py (grpo.py has it)"),
     "filter_groups.*": Ignore("read only with algorithm.filter_groups.enable"),
     "rollout_correction.rollout_is": Only(
         (None,), "no rollout importance sampling: old logprobs are recomputed"
@@ -551,6 +554,12 @@ GRPO: dict[str, Rule] = {
     "algorithm.rollout_is_mode": Only(("truncate",), "grpo.py truncates the weights (TIS); no masking"),
     "algorithm.rollout_is_threshold_lower": Ignore("truncate mode bounds the weights from above only"),
     "algorithm.rollout_is_veto_threshold": Only((None,), "no veto of whole sequences"),
+    "algorithm.filter_groups.enable": Map("algorithm.filter_groups.enable"),
+    "algorithm.filter_groups.metric": Map("algorithm.filter_groups.metric"),
+    "algorithm.filter_groups.max_num_gen_batches": Map("algorithm.filter_groups.max_num_gen_batches"),
+    "algorithm.filter_groups.max_inflight_gen_batches": Ignore(
+        "grpo.py generates one batch at a time; the filter keeps the same groups"
+    ),
 }
 
 # critic.*: the keys not listed are flatrl's names.

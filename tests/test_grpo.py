@@ -402,7 +402,9 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
         def batch_decode(self, ids, skip_special_tokens=True):
             return ["x" * len(one) for one in ids]
 
-    run = SimpleNamespace(pool=Pool(), tokenizer=Tok(), scorer=concurrent.futures.ThreadPoolExecutor(1))
+    run = SimpleNamespace(
+        cfg=grpo.GRPOConfig(), pool=Pool(), tokenizer=Tok(), scorer=concurrent.futures.ThreadPoolExecutor(1)
+    )
     prompts = [dict(data_source="d", raw_prompt="p", ground_truth="g", extra_info={}) for _ in range(2)]
     samples = [actor.Sample([1], [2] * (k + 1), None, "stop", k % 2) for k in range(4)]
     wait = rl.score_in_background(run, samples, prompts)
