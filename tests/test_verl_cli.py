@@ -469,7 +469,8 @@ def test_verl_0_9_reward_section(tmp_path):
     )
     rc = c.custom_reward_function
     assert (rc.path, rc.name, rc.num_workers) == ("/r.py", "score", 3)
-    assert "mapped: reward.num_workers -> custom_reward_function.num_workers" in err  # the path: a silent move
+    # the path moves silently, as actor_rollout_ref.actor.X does; num_workers is renamed, and says so
+    assert "mapped: reward.num_workers -> custom_reward_function.num_workers" in err
     p = run("grpo.py", [*args, "reward.reward_model.enable=true", "--print-config"])
     assert p.returncode != 0 and "reward.reward_model.enable=true cannot be honoured" in p.stderr
 
