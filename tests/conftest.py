@@ -88,3 +88,49 @@ def torchrun(script: str, args: list[str], nproc: int = 2, timeout_s: float = 60
 def read_metrics(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl as a list of dicts."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def toy_grpo_config(
+    toy_dir: Path,
+    run_dir: Path,
+    reward_py: Path,
+    *,
+    steps: int,
+    lr: float,
+    batch: int = 4,
+    n: int = 2,
+    model: Path | None = None,
+    rollout_kw: dict | None = None,
+    reward_kw: dict | None = None,
+    algorithm=None,
+    **trainer_kw,
+):
+    """grpo.py on the toy with the hf engine, in this process: `batch` prompts a step x `n` responses of up to 8
+    tokens, AdamW at `lr` without weight decay, the function in reward_py scored in process, metrics to jsonl
+    only, no checkpoints unless trainer_kw says so."""
+    import grpo
+    import rl
+    import rollout
+
+    return grpo.GRPOConfig(
+        data=rl.RLDataConfig(
+            train_files=str(toy_dir / "rl/train.parquet"),
+            val_files=None,
+            train_batch_size=batch,
+            max_prompt_length=32,
+            max_response_length=8,
+        ),
+        model=grpo.actor.ModelConfig(path=str(model or toy_dir / "model")),
+        actor=grpo.actor.ActorConfig(
+            ppo_mini_batch_size=batch, optim=grpo.optim.OptimConfig(lr=lr, weight_decay=0.0)
+        ),
+        rollout=rollout.RolloutConfig(name="hf", n=n, **(rollout_kw or {})),
+        algorithm=algorithm or grpo.AlgorithmConfig(),
+        custom_reward_function=rl.RewardConfig(path=str(reward_py), num_workers=0, **(reward_kw or {})),
+        trainer=rl.RLTrainerConfig(
+            default_local_dir=str(run_dir),
+            total_training_steps=steps,
+            logger=["jsonl"],
+            **({"save_freq": -1} | trainer_kw),
+        ),
+    )

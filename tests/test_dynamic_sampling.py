@@ -9,12 +9,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import flags, read_metrics, torchrun
+from conftest import flags, read_metrics, torchrun, toy_grpo_config
 
 import config
 import grpo
-import rl
-import rollout
 
 torch.set_num_threads(1)
 
@@ -26,24 +24,14 @@ REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 def _cfg(toy_dir, tmp_path, run_dir, steps: int, **filter_kw) -> grpo.GRPOConfig:
     fn = tmp_path / "digit.py"
     fn.write_text(REWARD)
-    return grpo.GRPOConfig(
-        data=rl.RLDataConfig(
-            train_files=str(toy_dir / "rl/train.parquet"),
-            val_files=None,
-            train_batch_size=4,
-            max_prompt_length=32,
-            max_response_length=8,
-        ),
-        model=grpo.actor.ModelConfig(path=str(toy_dir / "model")),
-        actor=grpo.actor.ActorConfig(
-            ppo_mini_batch_size=4, optim=grpo.optim.OptimConfig(lr=1e-2, weight_decay=0.0)
-        ),
-        rollout=rollout.RolloutConfig(name="hf", n=2),
+    return toy_grpo_config(
+        toy_dir,
+        run_dir,
+        fn,
+        steps=steps,
+        lr=1e-2,
         algorithm=grpo.AlgorithmConfig(filter_groups=grpo.FilterGroupsConfig(**filter_kw)),
-        custom_reward_function=rl.RewardConfig(path=str(fn), num_workers=0),
-        trainer=rl.RLTrainerConfig(
-            default_local_dir=str(run_dir), total_training_steps=steps, save_freq=2, logger=["jsonl"]
-        ),
+        save_freq=2,
     )
 
 

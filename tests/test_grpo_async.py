@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import toy_grpo_config
 
 import grpo
 import rl
@@ -31,26 +32,8 @@ def _run(toy_dir, run_dir, monkeypatch, *, async_steps: int, lr: float, steps: i
     )  # varies within a group, so the advantages (and updates) are not 0
     fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    return float(len(solution_str) % 3)\n")  # fmt: skip
-    cfg = grpo.GRPOConfig(
-        data=rl.RLDataConfig(
-            train_files=str(toy_dir / "rl/train.parquet"),
-            val_files=None,
-            train_batch_size=4,
-            max_prompt_length=32,
-            max_response_length=8,
-        ),
-        model=grpo.actor.ModelConfig(path=str(toy_dir / "model")),
-        actor=grpo.actor.ActorConfig(
-            ppo_mini_batch_size=4, optim=grpo.optim.OptimConfig(lr=lr, weight_decay=0.0)
-        ),
-        rollout=rollout.RolloutConfig(name="hf", n=2, async_steps=async_steps),
-        custom_reward_function=rl.RewardConfig(path=str(fn), num_workers=0),
-        trainer=rl.RLTrainerConfig(
-            default_local_dir=str(run_dir),
-            total_training_steps=steps,
-            logger=["jsonl"],
-            **({"save_freq": -1} | trainer_kw),
-        ),
+    cfg = toy_grpo_config(
+        toy_dir, run_dir, fn, steps=steps, lr=lr, rollout_kw={"async_steps": async_steps}, **trainer_kw
     )
     grpo.main(cfg)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]

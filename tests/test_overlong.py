@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
+from conftest import toy_grpo_config
 
 import actor
 import config
 import grpo
 import reward
 import rl
-import rollout
 
 torch.set_num_threads(1)
 
@@ -124,28 +124,19 @@ def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tm
         "    return offset\n"
     )
     run_dir = tmp_path / "run"
-    cfg = grpo.GRPOConfig(
-        data=rl.RLDataConfig(
-            train_files=str(toy_dir / "rl/train.parquet"),
-            val_files=None,
-            train_batch_size=8,
-            max_prompt_length=32,
-            max_response_length=8,
-        ),
-        model=grpo.actor.ModelConfig(path=str(model)),
-        actor=grpo.actor.ActorConfig(
-            ppo_mini_batch_size=8, optim=grpo.optim.OptimConfig(lr=2e-2, weight_decay=0.0)
-        ),
-        rollout=rollout.RolloutConfig(name="hf", n=8),
-        custom_reward_function=rl.RewardConfig(
-            path=str(fn),
-            reward_kwargs={"offset": 0.25},  # the same for every response: no advantage, no learning
-            num_workers=0,
-            overlong_buffer=rl.OverlongBufferConfig(enable=True, len=7, log=True),
-        ),
-        trainer=rl.RLTrainerConfig(
-            default_local_dir=str(run_dir), total_training_steps=12, save_freq=-1, logger=["jsonl"]
-        ),
+    cfg = toy_grpo_config(
+        toy_dir,
+        run_dir,
+        fn,
+        steps=12,
+        lr=2e-2,
+        batch=8,
+        n=8,
+        model=model,
+        reward_kw={  # offset: the same for every response, so no advantage and no learning from it
+            "reward_kwargs": {"offset": 0.25},
+            "overlong_buffer": rl.OverlongBufferConfig(enable=True, len=7, log=True),
+        },
     )
     grpo.main(cfg)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
