@@ -71,6 +71,10 @@ class ModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Settings put on the model's config before it is built, in the trainer and in the rollout engine (verl's
+    model.override_config; DAPO's recipe: `+actor_rollout_ref.model.override_config.attention_dropout=0.`). A name
+    the config lacks is set anyway and said on stderr."""
     fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
     """Sharding, mixed precision and offload."""
 
@@ -153,6 +157,7 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
         gradient_checkpointing=cfg.enable_gradient_checkpointing,
         value_head=value_head,
         checkpoint_layers=None if layers == "all" else layers,
+        config_overrides=cfg.override_config,
     )
     sp.setup(model, cfg.fsdp_config.ulysses_sequence_parallel_size, device.type, cfg.use_remove_padding)
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))

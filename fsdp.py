@@ -34,7 +34,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -265,6 +265,29 @@ def _comm_device() -> torch.device:
     )
 
 
+def override_config(
+    config: Any, overrides: Mapping[str, Any], where: str = "model.override_config", say: bool = True
+) -> None:
+    """verl's model.override_config onto a Hugging Face config (as verl's update_model_config): each value is set
+    on it, a mapping one key by key into the sub-config (or dict) already there. A name the config lacks is set
+    too and said on rank 0's stderr (unless not `say`): nothing in the model reads it (DAPO's recipe sets embd_pdrop and
+    resid_pdrop, GPT-2's names, on every model)."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, dict):
+            current.update(value)
+        elif isinstance(value, Mapping) and hasattr(current, "to_dict"):  # a sub-config (text_config, ...)
+            override_config(current, value, f"{where}.{key}", say)
+        else:
+            if say and not hasattr(config, key):
+                print0(
+                    f"note: {where}.{key}={value!r}: {type(config).__name__} has no such setting; set anyway, "
+                    "read by nothing in this model",
+                    file=sys.stderr,
+                )
+            setattr(config, key, value)
+
+
 def load_model(
     path: str,
     trust_remote_code: bool = False,
@@ -272,6 +295,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     value_head: bool = False,
     checkpoint_layers: int | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in fp32.
 
@@ -283,6 +307,7 @@ def load_model(
         checkpoint is itself a critic). Its config names that class, so a saved critic reloads as one.
     checkpoint_layers: with gradient_checkpointing, how many decoder layers recompute their activations (the
         first ones; None: all). The others keep theirs, trading memory for the recompute's time.
+    config_overrides: model.override_config, set on the config before the model is built (override_config).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -294,10 +319,14 @@ def load_model(
     kwargs: dict[str, Any] = dict(
         dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+    if value_head or config_overrides:
+        extra = dict(num_labels=1) if value_head else {}
+        kwargs["config"] = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+        if value_head:
+            kwargs["config"].classifier_dropout = 0.0  # values must be deterministic
+        override_config(kwargs["config"], config_overrides or {})
     if value_head:
-        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
-        config.classifier_dropout = 0.0  # values must be deterministic
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
+        model = AutoModelForTokenClassification.from_pretrained(path, **kwargs)
         model.config.architectures = [type(model).__name__]
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

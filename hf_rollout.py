@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
+import fsdp
 import rollout
 
 
@@ -22,15 +24,24 @@ class HFEngine:
     """transformers' generate on an unsharded copy of the model: VLLMEngine's interface and logprob semantics."""
 
     def __init__(
-        self, cfg: rollout.RolloutConfig, model_path: str, max_model_len: int, rank: int, eos: list[int]
+        self,
+        cfg: rollout.RolloutConfig,
+        model_path: str,
+        max_model_len: int,
+        rank: int,
+        eos: list[int],
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.cfg, self.eos, self.max_model_len = cfg, eos, max_model_len
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = getattr(torch, cfg.dtype) if cuda else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        config = AutoConfig.from_pretrained(model_path)
+        fsdp.override_config(config, hf_overrides or {}, say=False)  # the trainer's load said what it set
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=dtype)
+        self.model = model.to(self.device).eval()
         pad = self.model.config.pad_token_id
         self.pad = pad if pad is not None else eos[0]
         # Neutral defaults: the checkpoint's (top_k=20, repetition penalty...) must not leak into sampling.

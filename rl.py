@@ -313,6 +313,7 @@ def make_engine(cfg: Any, run: Run) -> rollout.Engine:
             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
             rank=run.dist.rank,
             world_size=run.dist.world_size,
+            hf_overrides=cfg.model.override_config,
         )
 
 

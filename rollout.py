@@ -75,7 +75,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
@@ -281,6 +281,7 @@ def make_engine(
     rank: int = 0,
     world_size: int = 1,
     eos_token_ids: list[int] | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> Engine:
     """Starts this rank's engine; under torchrun every rank calls it.
 
@@ -290,14 +291,15 @@ def make_engine(
         max_model_len: longest prompt + response, tokens.
         rank, world_size: this process's place in the torchrun job.
         eos_token_ids: stop tokens; default `read_eos_token_ids(model_path)`.
+        hf_overrides: settings put on the model's config, as the trainer's (model.override_config).
     """
     eos = list(eos_token_ids) if eos_token_ids is not None else read_eos_token_ids(model_path)
     if cfg.name == "vllm":
-        return VLLMEngine(cfg, model_path, max_model_len, rank, world_size, eos)
+        return VLLMEngine(cfg, model_path, max_model_len, rank, world_size, eos, hf_overrides)
     if cfg.name == "hf":
         from hf_rollout import HFEngine  # imports this module: loaded only when asked for
 
-        return HFEngine(cfg, model_path, max_model_len, rank, eos)
+        return HFEngine(cfg, model_path, max_model_len, rank, eos, hf_overrides)
     raise ValueError(f"rollout.name must be 'vllm' or 'hf', got {cfg.name!r}")
 
 
@@ -430,6 +432,7 @@ class VLLMEngine:
         rank: int,
         world_size: int,
         eos: list[int],
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -481,6 +484,8 @@ class VLLMEngine:
             logprobs_mode="raw_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: SamplingConfig decides
         )
+        if hf_overrides:  # model.override_config, which the trainer's model has too
+            kwargs["hf_overrides"] = dict(hf_overrides)
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         known = set(EngineArgs.__dataclass_fields__)

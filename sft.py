@@ -39,7 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
@@ -112,6 +112,9 @@ class SFTModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Settings put on the model's config before it is built (verl's model.override_config); a name the config
+    lacks is set anyway and said on stderr."""
     fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
     """Sharding, mixed precision and offload."""
 
@@ -317,6 +320,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         trust_remote_code=cfg.model.trust_remote_code,
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+        config_overrides=cfg.model.override_config,
     )
     sp_size = cfg.model.fsdp_config.ulysses_sequence_parallel_size
     sp.setup(model, sp_size, d.device.type, cfg.model.use_remove_padding)

@@ -217,8 +217,11 @@ RL_MODEL: dict[str, Rule] = {
     "use_shm": Ignore(SHM),
     "custom_chat_template": Only((None,), "prompts use the tokenizer's own chat template"),
     "external_lib": Only((None,), NO_CODE),
-    "override_config": Only(({},), "the model's config.json is used as it is"),
-    "override_config.*": Only(({},), "the model's config.json is used as it is"),
+    # override_config.* moves to model.override_config.* (set on the model's config); attn_implementation, which
+    # verl takes out of it for from_pretrained, is flatrl's model.attn_implementation
+    "override_config.attn_implementation": Map(
+        "model.attn_implementation", why="verl loads the model with it"
+    ),
     "lora.rank": Only(
         (0, None), "Megatron's LoRA block: flatrl's LoRA is model.lora_rank, lora_alpha, target_modules"
     ),
@@ -584,8 +587,9 @@ PPO_CRITIC: dict[str, Rule] = {
     "profiler.*": Ignore(PROFILER),
     "ulysses_sequence_parallel_size": Map("critic.model.fsdp_config.ulysses_sequence_parallel_size", why=SP),
     "model.tokenizer_path": Ignore("the critic reads the actor's tokens"),
-    "model.override_config": Only(({},), "the model's config.json is used as it is"),
-    "model.override_config.*": Only(({},), "the model's config.json is used as it is"),
+    "model.override_config.attn_implementation": Map(
+        "critic.model.attn_implementation", why="verl loads the model with it"
+    ),
     "megatron.*": Only((None, {}), MEGATRON),
     "model.external_lib": Only((None,), NO_CODE),
     "model.use_shm": Ignore(SHM),
