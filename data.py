@@ -320,14 +320,15 @@ class RLDataset(_Examples):
         paths: data files (see load_rows).
         tokenizer: a Hugging Face tokenizer (with a chat template if apply_chat_template).
         prompt_key: a column of chat messages (verl) or of strings (e.g. GSM8K's "question": one user turn).
-        max_prompt_length: tokens; a longer prompt is dropped (filter_overlong_prompts) or an error.
+        max_prompt_length: tokens; a longer prompt is dropped (filter_overlong_prompts), else cut as
+            `truncation` says: "left" keeps its end, "right" its start, "middle" both ends (verl's), "error" stops.
         apply_chat_template: render with add_generation_prompt=True; without it a string prompt is used as is.
         skip_bad_rows: skip and count unusable rows instead of raising (see `skipped`).
         custom_reward: a custom reward function scores the responses (custom_reward_function.path): rows may
             lack data_source and reward_model.ground_truth, and their examples carry None for them.
     Attributes:
         examples: [{"prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "origin"}].
-        dropped_overlong: prompts dropped for length.
+        dropped_overlong: prompts dropped for length; truncated: prompts cut to it.
         skipped: {reason: count} of rows skipped with skip_bad_rows: missing_key (the prompt, data_source or
             reward_model.ground_truth), bad_prompt (wrong type, malformed messages), empty_prompt, too_long.
     Raises:
@@ -344,8 +345,12 @@ class RLDataset(_Examples):
         filter_overlong_prompts: bool = True,
         skip_bad_rows: bool = False,
         custom_reward: bool = False,
+        truncation: Literal["error", "left", "right", "middle"] = "error",
     ):
+        if truncation not in ("error", "left", "right", "middle"):
+            raise ValueError(f"truncation must be 'error', 'left', 'right' or 'middle', got {truncation!r}")
         self.tok, self.prompt_key, self.max_prompt_length = tokenizer, prompt_key, max_prompt_length
+        self.truncation, self.truncated = truncation, 0
         self.custom_reward = custom_reward
         self.apply_chat_template, self.filter_overlong_prompts = apply_chat_template, filter_overlong_prompts
         self.dropped_overlong = 0
@@ -394,13 +399,20 @@ class RLDataset(_Examples):
             )
         raw = _render(self.tok, chat, add_generation_prompt=True) if self.apply_chat_template else prompt
         ids = _encode(self.tok, raw)
-        if len(ids) > self.max_prompt_length:
+        L = self.max_prompt_length
+        if len(ids) > L:
             if self.filter_overlong_prompts:
                 self.dropped_overlong += 1
                 return None
-            raise BadRow(
-                row, key, "too_long", f"{len(ids)} tokens > max_prompt_length {self.max_prompt_length}"
-            )
+            if self.truncation == "error":
+                raise BadRow(row, key, "too_long", f"{len(ids)} tokens > max_prompt_length {L}")
+            self.truncated += 1  # the raw prompt (the reward function's) stays whole, as verl's does
+            cut = {
+                "left": ids[-L:],
+                "right": ids[:L],
+                "middle": ids[: L // 2] + ids[len(ids) - (L - L // 2) :],
+            }
+            ids = cut[self.truncation]
         return dict(
             prompt_ids=ids,
             raw_prompt=raw,

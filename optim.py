@@ -34,6 +34,8 @@ class OptimConfig:
     """AdamW decoupled weight decay."""
     warmup_steps_ratio: Annotated[float, config.UNIT] = 0.0
     """Fraction of the total steps spent warming the learning rate up linearly from 0."""
+    lr_warmup_steps: Annotated[int, config.Range(-1)] = -1
+    """Warm-up steps; -1: warmup_steps_ratio decides (verl's meaning)."""
     lr_scheduler: Literal["cosine", "constant"] = "constant"
     """Schedule after warmup."""
     min_lr_ratio: Annotated[float, config.UNIT] = 0.0
@@ -42,7 +44,7 @@ class OptimConfig:
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Multiplier of `cfg.lr` at optimizer step `step` (0-based) of `total_steps`."""
-    warmup = int(cfg.warmup_steps_ratio * total_steps)
+    warmup = cfg.lr_warmup_steps if cfg.lr_warmup_steps >= 0 else int(cfg.warmup_steps_ratio * total_steps)
     if step < warmup:
         return (step + 1) / warmup
     if cfg.lr_scheduler == "constant":

@@ -23,11 +23,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,10 @@ class RLDataConfig:
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
     filter_overlong_prompts: bool = True
-    """Drop prompts over max_prompt_length (counted) instead of stopping with an error."""
+    """Drop prompts over max_prompt_length (counted) instead of cutting them (truncation)."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """With filter_overlong_prompts off, a prompt over max_prompt_length tokens: error stops the run naming its
+    row; left keeps its last tokens, right its first, middle both ends (verl's data.truncation)."""
     skip_bad_rows: bool = False
     """Skip (and count) rows with a missing key or an empty or malformed prompt, instead of stopping."""
     seed: int = 1
@@ -230,13 +234,21 @@ def start(cfg: Any) -> Run:
         filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         skip_bad_rows=cfg.data.skip_bad_rows,
         custom_reward=cfg.custom_reward_function.path is not None,  # data_source, ground_truth optional then
+        truncation=cfg.data.truncation,
     )
+    if cfg.data.truncation != "error" and cfg.data.filter_overlong_prompts:
+        fsdp.print0(
+            f"note: data.truncation={cfg.data.truncation} cuts nothing: data.filter_overlong_prompts=True (flatrl's "
+            "default; verl's is false) drops overlong prompts first; set it false to cut them",
+            file=sys.stderr,
+        )
     train = None if cfg.trainer.val_only else data.RLDataset(cfg.data.train_files, **ds_kwargs)
     val = data.RLDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
     for name, ds in (("train", train), ("val", val)):
-        if ds is not None and (ds.dropped_overlong or ds.skipped):
+        if ds is not None and (ds.dropped_overlong or ds.truncated or ds.skipped):
             fsdp.print0(
-                f"{name} prompts: {ds.dropped_overlong} over max_prompt_length dropped, skipped {ds.skipped}"
+                f"{name} prompts: {ds.dropped_overlong} over max_prompt_length dropped, {ds.truncated} cut "
+                f"({cfg.data.truncation} truncation), skipped {ds.skipped}"
             )
     sampler, total_steps = None, 0
     if train is not None:

@@ -178,9 +178,7 @@ def _optim(ours: str, grad_clip: str | None) -> dict[str, Rule]:
     have the same names)."""
     rules: dict[str, Rule] = {
         "lr_warmup_steps_ratio": Map(f"{ours}.warmup_steps_ratio"),
-        "lr_warmup_steps": Only(
-            (-1, None), f"give the warm-up as a fraction of the steps: {ours}.warmup_steps_ratio"
-        ),
+        "lr_warmup_steps": Map(f"{ours}.lr_warmup_steps", convert=lambda v: -1 if v is None else v),
         "warmup_style": Map(f"{ours}.lr_scheduler"),
         "lr_scheduler_type": Map(f"{ours}.lr_scheduler"),
         "num_cycles": Only((0.5,), "flatrl's cosine is half a cycle, from lr down to min_lr_ratio"),
@@ -364,7 +362,6 @@ RL_DATA: dict[str, Rule] = {
     "dataloader_num_workers": Ignore("prompts are tokenised once, at the start"),
     "validation_shuffle": Ignore("validation scores do not depend on the order"),
     "filter_overlong_prompts_workers": Ignore("prompts are tokenised once, at the start"),
-    "truncation": Only(("error",), "prompts are never cut: overlong ones are dropped or an error"),
     "trust_remote_code": Ignore("the tokenizer follows model.trust_remote_code"),
     "image_key": Ignore(TEXT_ONLY),
     "video_key": Ignore(TEXT_ONLY),

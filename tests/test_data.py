@@ -264,6 +264,24 @@ def test_rl_dataset_verl_schema(tok, tmp_path):
     ):
         data.RLDataset(str(tmp_path / "rl.parquet"), tok, max_prompt_length=40, filter_overlong_prompts=False)
 
+    # verl's data.truncation with the filter off: the long row's ids cut to 40 from the end, the start, or both
+    whole = enc(
+        tok, data.RLDataset(str(tmp_path / "rl.parquet"), tok, max_prompt_length=999)[1]["raw_prompt"]
+    )
+    assert len(whole) > 40
+    kept = {"left": whole[-40:], "right": whole[:40], "middle": whole[:20] + whole[-20:]}
+    for mode, want in kept.items():
+        cut = data.RLDataset(
+            str(tmp_path / "rl.parquet"),
+            tok,
+            max_prompt_length=40,
+            filter_overlong_prompts=False,
+            truncation=mode,
+        )
+        assert cut.truncated == 1 and cut[1]["prompt_ids"] == want, mode
+        assert cut[0]["prompt_ids"] == ex["prompt_ids"]  # a prompt that fits is not touched
+        assert cut[1]["raw_prompt"].count("Hello world!") == 20  # the reward function still sees it whole
+
     q = write_jsonl(
         tmp_path / "q.jsonl", [{"data_source": "gsm8k", "question": "What is 1?", "reward_model": rm}]
     )

@@ -75,3 +75,12 @@ def test_init_state_leaves_an_existing_state_or_gradient_alone():
     optim.init_state(opt)
     assert float(opt.state[model.weight]["step"]) == 1.0
     assert torch.equal(opt.state[model.weight]["exp_avg"], moments["exp_avg"])
+
+
+def test_warmup_steps_win_over_the_ratio():
+    """optim.lr_warmup_steps (verl's actor.optim.lr_warmup_steps): that many steps of linear warm-up whatever
+    warmup_steps_ratio says; -1 leaves the ratio in charge."""
+    cfg = optim.OptimConfig(warmup_steps_ratio=0.5, lr_warmup_steps=10, lr_scheduler="constant")
+    assert [optim.lr_factor(s, 100, cfg) for s in (0, 4, 9, 10, 60)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    ratio = optim.OptimConfig(warmup_steps_ratio=0.5, lr_scheduler="constant")
+    assert optim.lr_factor(9, 100, ratio) == 0.2 and optim.lr_factor(49, 100, ratio) == 1.0

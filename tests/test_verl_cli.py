@@ -172,6 +172,67 @@ def test_grpo_example_command_line(tmp_path):
     assert "mapped: actor_rollout_ref.actor.ppo_mini_batch_size" not in err  # a plain move in grpo.py
 
 
+# verl's DAPO recipe on main_ppo (recipe/dapo/test_dapo_7b_math.sh, its shell variables written out; 8 nodes x 8
+# GPUs): dynamic sampling off there, the length penalty, clip-higher, override_config, left truncation, warm-up steps.
+DAPO_EXAMPLE = f"""
+    data.train_files={HOME}/verl/data/dapo-math-17k.parquet data.val_files={HOME}/verl/data/aime-2024.parquet
+    data.prompt_key=prompt data.truncation=left data.max_prompt_length=2048 data.max_response_length=8192
+    data.train_batch_size=512 actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.kl_loss_coef=0.0 actor_rollout_ref.actor.clip_ratio_low=0.2
+    actor_rollout_ref.actor.clip_ratio_high=0.28 actor_rollout_ref.actor.clip_ratio_c=10.0
+    actor_rollout_ref.model.use_remove_padding=True +actor_rollout_ref.model.override_config.max_position_embeddings=32768
+    actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720
+    actor_rollout_ref.model.path={HOME}/verl/models/Qwen2.5-Math-7B
+    actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.optim.lr_warmup_steps=10 actor_rollout_ref.actor.optim.weight_decay=0.1
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 actor_rollout_ref.actor.fsdp_config.param_offload=True
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.grad_clip=1.0 actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 actor_rollout_ref.rollout.gpu_memory_utilization=0.80
+    actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.rollout.enable_chunked_prefill=True
+    actor_rollout_ref.rollout.max_num_batched_tokens=10240 actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+    actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+    actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.ref.fsdp_config.param_offload=True
+    actor_rollout_ref.ref.ulysses_sequence_parallel_size=4 actor_rollout_ref.actor.fsdp_config.fsdp_size=32
+    reward_model.reward_manager=dapo +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
+    +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
+    +reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=8192
+    trainer.logger=['console','wandb'] trainer.project_name=DAPO trainer.experiment_name=DAPO-Qwen2.5-7b-MATH-0527a1
+    trainer.n_gpus_per_node=8 trainer.nnodes=8 trainer.val_before_train=True trainer.test_freq=10
+    trainer.save_freq=10 trainer.total_epochs=10 trainer.total_training_steps=200
+    trainer.default_local_dir={HOME}/verl/ckpts/DAPO/DAPO-Qwen2.5-7b-MATH-0527a1 trainer.resume_mode=auto
+    trainer.log_val_generations=10
+""".split()
+
+
+def test_dapo_recipe_command_line(tmp_path):
+    """verl's DAPO recipe command (64 ranks) loads in grpo.py with every key honoured or said; with dynamic
+    sampling added (the recipe's other scripts), the filter too."""
+    args = [*DAPO_EXAMPLE, "algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"]
+    args += ["algorithm.filter_groups.max_num_gen_batches=10", "data.gen_batch_size=1536"]
+    c, err = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=64)
+    assert (c.data.truncation, c.data.max_response_length, c.rollout.n) == ("left", 8192, 16)
+    ob = c.custom_reward_function.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.max_resp_len, ob.log) == (True, 4096, 1.0, 8192, False)
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high, c.actor.loss_agg_mode) == (
+        0.2,
+        0.28,
+        "token-mean",
+    )
+    assert c.actor.optim.lr_warmup_steps == 10 and c.model.override_config == {
+        "max_position_embeddings": 32768
+    }
+    assert c.algorithm.filter_groups == grpo.FilterGroupsConfig(True, "acc", 10)
+    assert_accounted(args, err, grpo.GRPOConfig)
+
+
 def test_ppo_example_command_line(tmp_path):
     c, err = print_config("ppo.py", PPO_EXAMPLE, ppo.PPOConfig, tmp_path)
     assert c.algorithm.adv_estimator == "gae" and not c.algorithm.use_kl_in_reward
