@@ -69,7 +69,8 @@ class FilterGroupsConfig:
     """Drop the groups without spread and generate more."""
     metric: str = "reward"
     """What must differ within a group: reward (the sequence reward, DAPO's length penalty included), score or
-    acc (the reward function's own value), or another numeric key of the function's dict result."""
+    acc (the reward function's own value), or another numeric key of the function's dict result (a response
+    without it, or whose call failed, counts as 0; a key no response has stops the run)."""
     max_num_gen_batches: Annotated[int, config.NON_NEGATIVE] = 0
     """Stop the run with an error when a step has generated this many batches without filling its own (0: no
     limit; the data is then too easy or too hard for the model)."""
@@ -286,11 +287,19 @@ def filtered_rollouts(
         prompts, mine = run.next_prompts()
         samples, prompts = rl.generate(run, engine, prompts, mine, step, round_=len(rounds))
         rounds.append(rl.score_in_background(run, samples, prompts)())  # waits: the filter needs the scores
+        if fg.metric != "reward" and samples and not any(fg.metric in smp.reward_info for smp in samples):
+            raise KeyError(
+                f"algorithm.filter_groups.metric={fg.metric!r}: the reward function returned no such key; it has "
+                f"{['reward', *samples[0].reward_info]}"
+            )
         by_group: list[list[actor.Sample]] = [[] for _ in prompts]
         for smp in samples:
             by_group[smp.group].append(smp)
         for prompt, group in zip(prompts, by_group, strict=True):
-            values = [smp.score if fg.metric == "reward" else _info(smp, fg.metric) for smp in group]
+            # a call that failed (scored 0, counted in reward/errors) or a dict without the key counts as 0
+            values = [
+                smp.score if fg.metric == "reward" else smp.reward_info.get(fg.metric, 0.0) for smp in group
+            ]
             generated += 1
             if len(set(values)) < 2:
                 flat += 1
@@ -315,15 +324,6 @@ def filtered_rollouts(
     metrics["rollout/num_gen_batches"] = float(len(rounds))
     metrics["rollout/filtered_group_frac"] = fsdp.all_reduce(float(flat)) / fsdp.all_reduce(float(generated))
     return kept, kept_prompts, metrics
-
-
-def _info(smp: actor.Sample, metric: str) -> float:
-    if metric not in smp.reward_info:
-        raise KeyError(
-            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no such key; it has "
-            f"{['reward', *smp.reward_info]}"
-        )
-    return smp.reward_info[metric]
 
 
 # --------------------------------------------------------------------------------------------- loop

@@ -4,6 +4,7 @@ two under torchrun."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -77,6 +78,25 @@ def test_a_metric_without_spread_stops_at_max_num_gen_batches(one_rank, toy_dir,
     cfg = _cfg(toy_dir, tmp_path, tmp_path / "absent", 2, enable=True, metric="accuracy")
     with pytest.raises(KeyError, match=r"metric='accuracy'.*\['reward', 'score', 'acc', 'digits'\]"):
         grpo.main(cfg)
+
+
+def test_a_key_some_responses_lack_counts_as_zero(one_rank, toy_dir, tmp_path):
+    """metric=hit, a key the function returns only for responses with a digit: the others count as 0, so the
+    kept groups are exactly those whose reward differs (zero_std_frac 0 in every step)."""
+    cfg = _cfg(toy_dir, tmp_path, tmp_path / "hit", 3, enable=True, metric="hit")
+    fn = tmp_path / "hit.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    hit = any(c.isdigit() for c in solution_str)\n"
+        "    return {'score': float(hit), 'hit': 1.0} if hit else 0.0\n"
+    )
+    cfg = dataclasses.replace(
+        cfg, custom_reward_function=dataclasses.replace(cfg.custom_reward_function, path=str(fn))
+    )
+    grpo.main(cfg)
+    rows = _steps(tmp_path / "hit")
+    assert [r["rollout/zero_std_frac"] for r in rows] == [0.0] * 3
+    assert max(r["rollout/num_gen_batches"] for r in rows) > 1
 
 
 def test_verl_dapo_keys_and_async_refused(capsys):
