@@ -204,6 +204,7 @@ class RewardPool:
         self.max_error_frac, self.max_abs_reward = max_error_frac, max_abs_reward
         self.last_errors: list[str] = []  # messages of the failed calls of the latest score(), for debugging
         self.last_stderr: list[str] = []  # what the calls of the latest score() wrote to stderr (capped)
+        self.last_extras: list[dict[str, float]] = []  # each item's extra numeric keys in the latest score()
         self._workers: list[_Worker] = []
         for name, ok, allowed in (
             ("num_workers", num_workers >= 0, ">= 0 (0: score in the trainer's process)"),
@@ -260,7 +261,7 @@ class RewardPool:
                 results[i] = ("out_of_range", 0.0, {}, why)
         rewards, errors, extras = [], dict.fromkeys(_ERROR_CAUSES, 0), defaultdict(list)
         self.last_errors = [r[3] for r in results if r[0] != "ok"]
-        self.last_extras = [r[2] for r in results]  # each item's extra keys ({} for a failed call)
+        self.last_extras = [r[2] for r in results]  # {} for a failed call
         for status, value, extra, _ in results:
             rewards.append(value)
             if status != "ok":

@@ -553,13 +553,10 @@ def score(
         if overlong.log and samples:  # verl's reward_extra_info keys, as means over this rank's responses
             metrics["reward/overlong_reward"] = sum(penalties) / len(samples)
             metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(samples)
-    extras = getattr(pool, "last_extras", None) or [{}] * len(samples)
-    for s, r, p, extra in zip(samples, scores, penalties, extras, strict=True):
+    for s, r, p, extra in zip(samples, scores, penalties, pool.last_extras, strict=True):
         s.score = float(r) + p
-        s.reward_info = {
-            "score": float(r),
-            "acc": float(r),
-        } | extra  # verl's names for the function's own score
+        # the function's own value under verl's names for it, and the keys of its dict result
+        s.reward_info = dict(score=float(r), acc=float(r)) | extra
     return metrics
 
 

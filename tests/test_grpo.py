@@ -390,12 +390,13 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
 
     scoring, passes = threading.Event(), threading.Event()
 
-    class Pool:  # the RewardPool interface rl.score uses: score(items) -> (scores, metrics)
+    class Pool:  # the RewardPool interface rl.score uses: score(items) -> (scores, metrics), last_extras
         num_workers = 2
 
         def score(self, items):
             scoring.set()
             saw_passes = passes.wait(timeout=30)
+            self.last_extras = [{}] * len(items)
             return [len(it["response"]) + saw_passes for it in items], {"reward/errors": 0}
 
     class Tok:

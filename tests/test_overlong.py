@@ -36,6 +36,7 @@ def test_score_adds_the_penalty_and_logs_verl_keys():
 
     class Pool:  # the RewardPool interface rl.score uses
         def score(self, items):
+            self.last_extras = [{}] * len(items)
             return [1.0] * len(items), {}
 
     class Tok:
