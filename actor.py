@@ -193,7 +193,7 @@ class Sample:
     score: float = 0.0
     reward_info: dict[str, float] = field(
         default_factory=dict
-    )  # the function's own score and dict keys (rl.score)
+    )  # the function's own score and dict keys (scoring.score)
     advantages: float | torch.Tensor = 0.0  # one value for every token, or [L]
     old_logprobs: torch.Tensor | None = None  # [L], the trainer's at the sampling temperature
     ref_logprobs: torch.Tensor | None = None  # [L]

@@ -56,6 +56,7 @@ import losses
 import optim
 import rl
 import rollout
+import scoring
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class GRPOConfig:
     actor: actor.ActorConfig = field(default_factory=actor.ActorConfig)
     rollout: rollout.RolloutConfig = field(default_factory=rollout.RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    custom_reward_function: rl.RewardConfig = field(default_factory=rl.RewardConfig)
+    custom_reward_function: scoring.RewardConfig = field(default_factory=scoring.RewardConfig)
     trainer: rl.RLTrainerConfig = field(
         default_factory=lambda: rl.RLTrainerConfig(default_local_dir="runs/grpo", experiment_name="grpo")
     )

@@ -45,6 +45,7 @@ import losses
 import optim
 import rl
 import rollout
+import scoring
 import sp
 
 
@@ -130,7 +131,7 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: rollout.RolloutConfig = field(default_factory=lambda: rollout.RolloutConfig(n=1))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    custom_reward_function: rl.RewardConfig = field(default_factory=rl.RewardConfig)
+    custom_reward_function: scoring.RewardConfig = field(default_factory=scoring.RewardConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
 
 

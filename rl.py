@@ -1,8 +1,9 @@
 """The RL loop's plumbing, shared by grpo.py and ppo.py; their steps and objectives stay in their own files.
 One job a section:
 
-- settings: `RLDataConfig` (verl's data.*), `RewardConfig` (custom_reward_function.*), `RLTrainerConfig`
-  (trainer.*); verl's key names are mapped by config.parse (verl_keys.py, docs/VERL.md);
+- settings: `RLDataConfig` (verl's data.*), `RLTrainerConfig` (trainer.*); verl's key names are mapped by
+  config.parse (verl_keys.py, docs/VERL.md); the reward's settings (custom_reward_function.*) and scoring are
+  scoring.py's;
 - set-up and checkpoints: `start` (process group, tokenizer, datasets, sampler, reward pool), `make_engine`,
   `resume`, `save`, `close`;
 - rollouts: `Run.next_prompts`, `generate` (seeded per step and rank, so a resumed run draws the same responses
@@ -44,6 +45,7 @@ import perf
 import reward
 import reward_pool
 import rollout
+import scoring
 
 # ------------------------------------------------------------------------------------------- settings
 
@@ -75,58 +77,6 @@ class RLDataConfig:
     """Skip (and count) rows with a missing key or an empty or malformed prompt, instead of stopping."""
     seed: int = 1
     """Seed of the prompt order."""
-
-
-@dataclass(frozen=True)
-class OverlongBufferConfig:
-    """DAPO's soft overlong punishment, verl's dapo reward manager (reward_model.reward_manager=dapo with
-    reward_kwargs.overlong_buffer_cfg): a response of L tokens gets reward.overlong_penalty added to its score,
-    0 up to max_resp_len - len tokens, then falling linearly to -penalty_factor at max_resp_len. Applied to
-    training and validation rewards alike, as verl's manager scores both."""
-
-    enable: bool = False
-    """Add the penalty to every reward."""
-    len: Annotated[int, config.AT_LEAST_ONE] = 4096
-    """Tokens before max_resp_len over which the penalty grows (the buffer)."""
-    penalty_factor: Annotated[float, config.NON_NEGATIVE] = 1.0
-    """The penalty at max_resp_len tokens."""
-    max_resp_len: Annotated[int | None, config.AT_LEAST_ONE] = None
-    """The length at which the penalty is penalty_factor (verl's reward_kwargs.max_resp_len); None:
-    data.max_response_length, as verl's DAPO recipe sets it."""
-    log: bool = False
-    """Log reward/overlong_reward (the mean penalty) and reward/overlong (the share of penalised responses)."""
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    """Reward function and its worker pool (verl's custom_reward_function)."""
-
-    path: str | None = None
-    """Python file with a custom reward function; None: reward.default_compute_score by data_source."""
-    name: str = "compute_score"
-    """Function name in that file."""
-    num_workers: Annotated[int, config.NON_NEGATIVE] = 4
-    """Worker processes scoring in parallel (0: in the trainer's main thread, timeout_s enforced by SIGALRM)."""
-    timeout_s: Annotated[float, config.TIMEOUT] = 10.0
-    """Per-call limit; a call past it scores 0 and counts in reward/errors (its worker and the processes it
-    started are killed)."""
-    max_error_frac: Annotated[float, config.UNIT] = 0.5
-    """Stop the run when more than this fraction of one batch's reward calls fail (1.0: never)."""
-    max_abs_reward: Annotated[float, config.POSITIVE] = 1e6
-    """A reward beyond +-this scores 0 and counts in reward/errors_out_of_range (1e308 would make the loss NaN)."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the function at path, beside the row's (verl's custom_reward_function.reward_kwargs:
-    `+custom_reward_function.reward_kwargs.alpha=0.5`); each must be a parameter of the function, or it must
-    take **kwargs."""
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    """DAPO's length penalty (verl's reward_kwargs.overlong_buffer_cfg), added to the function's reward."""
-
-    def __post_init__(self) -> None:
-        if self.reward_kwargs and not self.path:
-            raise ValueError(
-                f"custom_reward_function.reward_kwargs={self.reward_kwargs} needs custom_reward_function.path: the "
-                "built-in scorers (reward.default_compute_score) take no extra arguments"
-            )
 
 
 @dataclass(frozen=True)
@@ -264,7 +214,9 @@ def start(cfg: Any) -> Run:
     fn_spec = (rc.path, rc.name, rc.reward_kwargs) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
     reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
-    overlong_buffer(cfg)  # a buffer longer than its max_resp_len is an error now, not at the first score
+    scoring.overlong_buffer(
+        cfg
+    )  # a buffer longer than its max_resp_len is an error now, not at the first score
     pool = reward_pool.RewardPool(
         fn_spec,
         num_workers=rc.num_workers,
@@ -503,92 +455,22 @@ class RolloutAhead:
         return {"perf/gen_ahead_s": self.seconds}
 
 
-def overlong_buffer(cfg: Any) -> OverlongBufferConfig | None:
-    """custom_reward_function.overlong_buffer with max_resp_len resolved (None: data.max_response_length), or None
-    when it is off."""
-    ob = cfg.custom_reward_function.overlong_buffer
-    if not ob.enable:
-        return None
-    ob = dataclasses.replace(ob, max_resp_len=ob.max_resp_len or cfg.data.max_response_length)
-    if ob.len > ob.max_resp_len:
-        raise ValueError(
-            f"custom_reward_function.overlong_buffer.len={ob.len} must be at most its max_resp_len={ob.max_resp_len}"
-            " (None: data.max_response_length): the penalty starts max_resp_len - len tokens into a response"
-        )
-    return ob
-
-
-def score(
-    pool: reward_pool.RewardPool,
-    samples: list[actor.Sample],
-    prompts: list[dict],
-    tokenizer,
-    overlong: OverlongBufferConfig | None = None,
-) -> dict:
-    """Decodes the responses (in one batch: the tokenizer's Rust side, threads where TOKENIZERS_PARALLELISM
-    allows), scores them, adds DAPO's length penalty when `overlong` is given (overlong_buffer(cfg)), stores
-    sample.score; returns the pool's reward/errors* metrics (and the penalty's, when overlong.log)."""
-    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    items = []
-    for s, text in zip(samples, texts, strict=True):
-        ex = prompts[s.group]
-        items.append(
-            dict(
-                data_source=ex["data_source"],
-                prompt=ex["raw_prompt"],
-                response=text,
-                ground_truth=ex["ground_truth"],
-                extra_info=ex["extra_info"],
-            )
-        )
-    scores, metrics = pool.score(items)
-    penalties = [0.0] * len(samples)
-    if overlong is not None:
-        penalties = [
-            reward.overlong_penalty(
-                len(s.response_ids), overlong.max_resp_len, overlong.len, overlong.penalty_factor
-            )
-            for s in samples
-        ]
-        if overlong.log and samples:  # verl's reward_extra_info keys, as means over this rank's responses
-            metrics["reward/overlong_reward"] = sum(penalties) / len(samples)
-            metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(samples)
-    for s, r, p, extra in zip(samples, scores, penalties, pool.last_extras, strict=True):
-        s.score = float(r) + p
-        # the function's own value under verl's names for it, and the keys of its dict result
-        s.reward_info = dict(score=float(r), acc=float(r)) | extra
-    return metrics
-
-
 def score_in_background(run: Run, samples: list[actor.Sample], prompts: list[dict]) -> Callable[[], dict]:
-    """Starts `score` in run's scoring thread and returns the function that waits for it, so the trainer's
+    """Starts `scoring.score` in run's scoring thread and returns the function that waits for it, so the trainer's
     passes run meanwhile (the reward workers are processes: the thread decodes and waits on them). The function
     returns the metrics merged over ranks (a collective, so in the calling thread), with `perf/reward_scoring_s`,
     the scoring's own seconds; it raises what the scoring raised."""
 
     def job() -> dict[str, float]:
         start = time.perf_counter()
-        metrics = score(run.pool, samples, prompts, run.tokenizer, overlong_buffer(run.cfg))
+        metrics = scoring.score(run.pool, samples, prompts, run.tokenizer, scoring.overlong_buffer(run.cfg))
         return metrics | {"perf/reward_scoring_s": time.perf_counter() - start}
 
     if run.pool.num_workers == 0:  # in process: its timeout is a SIGALRM, which only the main thread gets
         metrics = job()
-        return lambda: merge_ranks(metrics)
+        return lambda: scoring.merge_ranks(metrics)
     future = run.scorer.submit(job)
-    return lambda: merge_ranks(future.result())
-
-
-def merge_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """The reward pool's per-rank metrics over all ranks: `reward/errors*` and `reward/printed` counts summed, the
-    means of extra keys averaged over the ranks that have them (ranks may see different keys)."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, metrics)
-    out: dict[str, float] = {}
-    for k in sorted({k for m in every for k in m}):
-        values = [m[k] for m in every if k in m]
-        counted = k.startswith(("reward/errors", "reward/printed"))
-        out[k] = sum(values) if counted else sum(values) / len(values)
-    return out
+    return lambda: scoring.merge_ranks(future.result())
 
 
 def offloads(fsdp_cfg: fsdp.FSDPConfig, optimizer: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
@@ -620,7 +502,7 @@ def validate(run: Run, engine: rollout.Engine, step: int) -> dict[str, float]:
     if mine:
         seed = rollout_seed(cfg.rollout.seed, -1, dp_rank)
         samples = sample(engine, mine, cfg.rollout.val_kwargs, cfg.data.max_response_length, seed)
-    score(run.pool, samples, mine, run.tokenizer, overlong_buffer(cfg))
+    scoring.score(run.pool, samples, mine, run.tokenizer, scoring.overlong_buffer(cfg))
     w = float(run.dist.rank % run.tp == 0)  # the tp ranks of an engine hold the same responses: count once
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     rows = [

@@ -111,6 +111,7 @@ def toy_grpo_config(
     import grpo
     import rl
     import rollout
+    import scoring
 
     return grpo.GRPOConfig(
         data=rl.RLDataConfig(
@@ -126,7 +127,7 @@ def toy_grpo_config(
         ),
         rollout=rollout.RolloutConfig(name="hf", n=n, **(rollout_kw or {})),
         algorithm=algorithm or grpo.AlgorithmConfig(),
-        custom_reward_function=rl.RewardConfig(path=str(reward_py), num_workers=0, **(reward_kw or {})),
+        custom_reward_function=scoring.RewardConfig(path=str(reward_py), num_workers=0, **(reward_kw or {})),
         trainer=rl.RLTrainerConfig(
             default_local_dir=str(run_dir),
             total_training_steps=steps,

@@ -518,6 +518,7 @@ def test_model_path_may_name_a_flatrl_checkpoint(toy_dir, small_sft, tmp_path, o
     import grpo
     import rl
     import rollout
+    import scoring
     import shard_merge
 
     run = tmp_path / "sft"
@@ -534,7 +535,7 @@ def test_model_path_may_name_a_flatrl_checkpoint(toy_dir, small_sft, tmp_path, o
             ),
             model=grpo.actor.ModelConfig(path=str(model_path)),
             rollout=rollout.RolloutConfig(name="hf"),
-            custom_reward_function=rl.RewardConfig(num_workers=0),
+            custom_reward_function=scoring.RewardConfig(num_workers=0),
             trainer=rl.RLTrainerConfig(default_local_dir=str(out), val_only=True, logger=["jsonl"]),
         )
         grpo.main(cfg)

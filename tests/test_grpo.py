@@ -390,7 +390,7 @@ def test_scoring_runs_beside_the_logprob_passes(one_rank) -> None:
 
     scoring, passes = threading.Event(), threading.Event()
 
-    class Pool:  # the RewardPool interface rl.score uses: score(items) -> (scores, metrics), last_extras
+    class Pool:  # the RewardPool interface scoring.score uses: score(items) -> (scores, metrics), last_extras
         num_workers = 2
 
         def score(self, items):
@@ -435,6 +435,7 @@ def test_val_only_evaluates_without_a_training_sampler_and_keeps_the_generations
 
     import rl
     import rollout
+    import scoring
 
     fn = tmp_path / "length_reward.py"
     fn.write_text(
@@ -452,7 +453,7 @@ def test_val_only_evaluates_without_a_training_sampler_and_keeps_the_generations
         ),
         model=grpo.actor.ModelConfig(path=str(toy_dir / "model")),
         rollout=rollout.RolloutConfig(name="hf"),
-        custom_reward_function=rl.RewardConfig(path=str(fn), num_workers=0),
+        custom_reward_function=scoring.RewardConfig(path=str(fn), num_workers=0),
         trainer=rl.RLTrainerConfig(default_local_dir=str(run_dir), val_only=True, logger=["jsonl"]),
     )
     results = grpo.main(cfg)

@@ -1,6 +1,6 @@
 """DAPO's overlong penalty (custom_reward_function.overlong_buffer; verl's dapo reward manager with
-reward_kwargs.overlong_buffer_cfg): the formula, its place in rl.score, verl's three spellings of it, and a GRPO
-run on the toy whose only reward is the penalty, which shortens the responses."""
+reward_kwargs.overlong_buffer_cfg): the formula, its place in scoring.score, verl's three spellings of it, and a
+GRPO run on the toy whose only reward is the penalty, which shortens the responses."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import config
 import grpo
 import reward
 import rl
+import scoring
 
 torch.set_num_threads(1)
 
@@ -30,11 +31,11 @@ def test_penalty_is_zero_before_the_buffer_then_linear(length, expected):
 
 
 def test_score_adds_the_penalty_and_logs_verl_keys():
-    """rl.score with the buffer on: each sample's score is the function's plus the penalty of its token count; with
-    log, reward/overlong_reward is the mean penalty and reward/overlong the share penalised (verl's extra-info
-    names); off, the scores are the function's."""
+    """scoring.score with the buffer on: each sample's score is the function's plus the penalty of its token
+    count; with log, reward/overlong_reward is the mean penalty and reward/overlong the share penalised (verl's
+    extra-info names); off, the scores are the function's."""
 
-    class Pool:  # the RewardPool interface rl.score uses
+    class Pool:  # the RewardPool interface scoring.score uses
         def score(self, items):
             self.last_extras = [{}] * len(items)
             return [1.0] * len(items), {}
@@ -45,29 +46,33 @@ def test_score_adds_the_penalty_and_logs_verl_keys():
 
     prompts = [dict(data_source="d", raw_prompt="p", ground_truth="g", extra_info={})]
     samples = [actor.Sample([1], [2] * n, None, "stop", 0) for n in (2, 4, 6, 8)]
-    ob = rl.OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, max_resp_len=8, log=True)
-    metrics = rl.score(Pool(), samples, prompts, Tok(), ob)
+    ob = scoring.OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, max_resp_len=8, log=True)
+    metrics = scoring.score(Pool(), samples, prompts, Tok(), ob)
     assert [s.score for s in samples] == pytest.approx([1.0, 1.0, 0.5, 0.0])
     assert metrics["reward/overlong_reward"] == pytest.approx(-1.5 / 4)
     assert metrics["reward/overlong"] == pytest.approx(0.5)
-    metrics = rl.score(Pool(), samples, prompts, Tok())
+    metrics = scoring.score(Pool(), samples, prompts, Tok())
     assert [s.score for s in samples] == [1.0] * 4 and metrics == {}
 
 
 def test_max_resp_len_defaults_to_the_response_cap_and_must_hold_the_buffer():
     cfg = grpo.GRPOConfig(
         data=rl.RLDataConfig(max_response_length=64),
-        custom_reward_function=rl.RewardConfig(overlong_buffer=rl.OverlongBufferConfig(enable=True, len=16)),
+        custom_reward_function=scoring.RewardConfig(
+            overlong_buffer=scoring.OverlongBufferConfig(enable=True, len=16)
+        ),
     )
-    assert rl.overlong_buffer(cfg).max_resp_len == 64
+    assert scoring.overlong_buffer(cfg).max_resp_len == 64
     off = grpo.GRPOConfig()
-    assert rl.overlong_buffer(off) is None
+    assert scoring.overlong_buffer(off) is None
     long = grpo.GRPOConfig(
         data=rl.RLDataConfig(max_response_length=64),
-        custom_reward_function=rl.RewardConfig(overlong_buffer=rl.OverlongBufferConfig(enable=True, len=65)),
+        custom_reward_function=scoring.RewardConfig(
+            overlong_buffer=scoring.OverlongBufferConfig(enable=True, len=65)
+        ),
     )
     with pytest.raises(ValueError, match="overlong_buffer.len=65 must be at most its max_resp_len=64"):
-        rl.overlong_buffer(long)
+        scoring.overlong_buffer(long)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +106,7 @@ def test_max_resp_len_defaults_to_the_response_cap_and_must_hold_the_buffer():
 )
 def test_verl_spellings_map_to_the_buffer(args, capsys):
     cfg = config.parse(grpo.GRPOConfig, args)
-    assert rl.overlong_buffer(cfg) == rl.OverlongBufferConfig(
+    assert scoring.overlong_buffer(cfg) == scoring.OverlongBufferConfig(
         enable=True, len=128, penalty_factor=0.5, max_resp_len=512, log=True
     )
     assert "-> custom_reward_function.overlong_buffer.len" in capsys.readouterr().err
@@ -136,7 +141,7 @@ def test_grpo_with_only_the_penalty_shortens_the_responses(one_rank, toy_dir, tm
         model=model,
         reward_kw={  # offset: the same for every response, so no advantage and no learning from it
             "reward_kwargs": {"offset": 0.25},
-            "overlong_buffer": rl.OverlongBufferConfig(enable=True, len=7, log=True),
+            "overlong_buffer": scoring.OverlongBufferConfig(enable=True, len=7, log=True),
         },
     )
     grpo.main(cfg)

@@ -162,8 +162,8 @@ def test_repository_has_no_unsafe_code():
 
 def test_defaults_run_no_foreign_code():
     import actor
-    import rl
+    import scoring
     import sft
 
     assert sft.SFTModelConfig().trust_remote_code is False and actor.ModelConfig().trust_remote_code is False
-    assert rl.RewardConfig().path is None  # custom reward code only from a path the user names
+    assert scoring.RewardConfig().path is None  # custom reward code only from a path the user names
