@@ -351,13 +351,9 @@ def run(args, model: str, data: str, work: str) -> dict:
     text = log.read_text(errors="replace")
     lines = metrics.read_text().splitlines() if metrics.is_file() else text.splitlines()
     rows = parse_metrics(lines)
-    if rc != 0 or not rows:
-        return {
-            "error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
-            "tail": text[-4000:],
-            "stall": stall,
-            "command": cmd,
-        }
+    failed = failure(rc, rows, wall, text, stall, cmd)
+    if failed:
+        return failed
     out = summarise(rows)
     first_start = watch.lines[0] - out["first_step_s"] if watch.lines else None
     out |= {
@@ -372,6 +368,26 @@ def run(args, model: str, data: str, work: str) -> dict:
         "command": cmd,
     }
     return out
+
+
+def failure(
+    rc: int | str, rows: list[dict], wall: float, text: str, stall: dict | None, cmd: list[str]
+) -> dict | None:
+    """None for a run that exited 0 with steps logged; else the error dict (console tail, where it stalled, the
+    command). The steps logged before a timeout or a crash are still measurements: their summary goes under
+    "partial", never where bench_e2e draws ratios from (a step_s at the top)."""
+    if rc == 0 and rows:
+        return None
+    failed = {
+        "error": f"verl's main_ppo exited {rc} after {wall:.0f} s with {len(rows)} steps logged",
+        "tail": text[-4000:],
+        "stall": stall,
+        "command": cmd,
+    }
+    timed = [r for r in rows if "timing_s/step" in r]
+    if timed:
+        failed["partial"] = summarise(timed) | {"steps_logged": len(timed)}
+    return failed
 
 
 def supervise(

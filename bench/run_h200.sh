@@ -107,10 +107,12 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
 elif [ "$part" = verl ]; then
   if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
   from=$WORK/json/e2e_defaults_$MODEL.json
-  [ -f "$from" ] && from_args=(--skip-flatrl --flatrl-from "$from") || from_args=()  # else flatrl runs here too
+  [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=()  # else flatrl runs here too
+  # 2026-12-05: 2 of 3 steps logged in 480 s (start-up included), so 2 steps (the first and one warm) in 500 s
   run e2e-verl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}" \
-    --timeout-s 420 --out "$OUT/e2e_verl_$MODEL.json"
+    --verl-steps 2 --timeout-s 500 --out "$OUT/e2e_verl_$MODEL.json"
   [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
+  [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
 elif [ "$part" = levers ]; then
   run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --checkpoint-layers auto \
     --out "$OUT/e2e_auto.json"

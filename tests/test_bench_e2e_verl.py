@@ -72,6 +72,18 @@ def test_no_step_time_is_an_error():
         e2e_verl.summarise(e2e_verl.parse_metrics(['{"step": 1, "data": {"timing_s/gen": 3.0}}']))
 
 
+def test_steps_logged_before_a_timeout_are_kept_apart_from_the_ratios():
+    """On the H200 (2026-12-05) verl logged 2 of its 3 steps before the bench's timeout: their times are kept under
+    "partial", and nothing at the top level looks like a finished run's step_s."""
+    rows = e2e_verl.parse_metrics([json.dumps({"step": i + 1, "data": d}) for i, d in enumerate(STEPS[:2])])
+    failed = e2e_verl.failure("timeout after 480 s", rows, 483.0, "tail", None, ["main_ppo"])
+    assert "timeout after 480 s" in failed["error"] and "2 steps logged" in failed["error"]
+    assert failed["partial"]["steps_s"] == [40.0, 25.0] and failed["partial"]["step_s"] == 25.0
+    assert failed["partial"]["steps_logged"] == 2 and "step_s" not in failed
+    assert "partial" not in e2e_verl.failure(1, [], 10.0, "", None, [])
+    assert e2e_verl.failure(0, rows, 100.0, "", None, []) is None
+
+
 def bench_args(*argv: str) -> argparse.Namespace:
     return bench_e2e.parse(["--model", "0.5b", *argv])
 

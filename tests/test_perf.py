@@ -291,15 +291,15 @@ def cache_kept_after_training(eager: bool) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_optimizer_state_made_early_leaves_no_cache_behind():
-    """The memory the engine's wake cannot have: the cache kept after an update and empty_cache. AdamW's moments
-    made lazily in the first step land in the freed activations' segments and pin them; made at build
-    (optim.init_state, in optim.build) they sit in segments of their own.
-    NOT YET RUN on a GPU: written for the next device session, beside the 0.5B e2e bench's cache_kept figure."""
-    torch.cuda.empty_cache()
-    lazy = cache_kept_after_training(eager=False)
+    """The memory the engine's wake cannot have: the cache kept after an update and empty_cache, with AdamW's
+    moments made at build (optim.init_state, in optim.build): at most 20 MiB.
+    On the H200 (2026-12-05, f7812f0) it kept 0.0 MiB. The lazy moments of torch's AdamW (made in the first step)
+    kept -32 MiB there, so the pinning this was written against did not show at this size, and the test no longer
+    claims it; the 0.5B e2e bench's cache_kept_at_wake_gib (0.73 GiB that day, moments made early) is the figure
+    that counts."""
     torch.cuda.empty_cache()
     eager = cache_kept_after_training(eager=True)
-    assert eager <= 20 * 2**20 and eager + 16 * 2**20 <= lazy, (eager / 2**20, lazy / 2**20)
+    assert eager <= 20 * 2**20, eager / 2**20
 
 
 # ------------------------------------------------------------------------------------------- rollout
