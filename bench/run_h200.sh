@@ -107,7 +107,9 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
 elif [ "$part" = verl ]; then
   if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
   from=$WORK/json/e2e_defaults_$MODEL.json
-  [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=()  # else flatrl runs here too
+  # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
+  # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
+  [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
   # 2026-12-05: 2 of 3 steps logged in 480 s (start-up included), so 2 steps (the first and one warm) in 500 s
   run e2e-verl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}" \
     --verl-steps 2 --timeout-s 500 --out "$OUT/e2e_verl_$MODEL.json"
