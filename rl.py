@@ -214,9 +214,8 @@ def start(cfg: Any) -> Run:
     fn_spec = (rc.path, rc.name, rc.reward_kwargs) if rc.path else None
     sources = (ex["data_source"] for ds in (train, val) if ds is not None for ex in ds.examples)
     reward.check_data_sources(sources, fn_spec)  # an unknown data_source is an error now, not 0 reward later
-    scoring.overlong_buffer(
-        cfg
-    )  # a buffer longer than its max_resp_len is an error now, not at the first score
+    # a buffer longer than its max_resp_len is an error now, not at the first score
+    scoring.overlong_buffer(cfg)
     pool = reward_pool.RewardPool(
         fn_spec,
         num_workers=rc.num_workers,
