@@ -19,10 +19,9 @@ between optimizer-step ends); the first step is reported apart (first-call costs
   `--token-budget` tokens: 16,384, and at smollm2 65,536 as configs/grpo_*_smollm2.yaml; verl's too), gradient
   checkpointing (flatrl's default, verl's and TRL's) of every layer unless `--no-gradient-checkpointing` or
   `--checkpoint-layers auto|N`, expandable segments while the engine sleeps unless `--no-expandable-segments`,
-  sleep level 2, the optimizer state on the device unless `--offload-optimizer`, vLLM's engine core in grpo.py's
-  process unless `--engine-process`, one seed per call unless `--per-request-seeds`, rollouts of the weights
-  just pushed unless `--async-steps 1`), `rollout.ignore_eos` for
-  fixed lengths.
+  sleep level 2, the optimizer state in host memory during the rollout unless `--no-offload-optimizer`, vLLM's
+  engine core in grpo.py's process unless `--engine-process`, one seed per call unless `--per-request-seeds`,
+  rollouts of the weights just pushed unless `--async-steps 1`), `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch
@@ -639,7 +638,7 @@ TRL_BATCH = {"smollm2": 64, None: 16}
 # flatrl's own flags (set or not), refused where flatrl does not run.
 FLATRL_ONLY = {
     "--[no-]gradient-checkpointing": lambda a: a.gradient_checkpointing is not None,
-    "--offload-optimizer": lambda a: a.offload_optimizer,
+    "--no-offload-optimizer": lambda a: not a.offload_optimizer,
     "--checkpoint-layers": lambda a: a.checkpoint_layers != "all",
     "--no-expandable-segments": lambda a: not a.expandable_segments,
     "--engine-process": lambda a: a.engine_process,
@@ -721,9 +720,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "the trainer's phases on whole cudaMalloc'd blocks, as before it",
     )  # fmt: skip
     p.add_argument(
-        "--offload-optimizer", action="store_true",
-        help="flatrl with model.fsdp_config.offload_optimizer_in_rollout: the AdamW state off the device from the "
-        "push to the next optimizer step",
+        "--offload-optimizer", action=argparse.BooleanOptionalAction, default=True,
+        help="flatrl's model.fsdp_config.offload_optimizer_in_rollout (on by default): the AdamW state off the "
+        "device from the push to the next optimizer step; --no-offload-optimizer keeps it on the device",
     )  # fmt: skip
     p.add_argument(
         "--engine-process",

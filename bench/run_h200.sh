@@ -5,7 +5,7 @@
 #   call A:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 1   # 7.5 min measured
 #   call B:  source .gpu3/device_install.sh && FLATRL_COMMIT=<sha> bash bench/run_h200.sh 2   # 5 min measured
 #   call C (optional): ... bash bench/run_h200.sh 3   # flatrl e2e with gradient checkpointing
-#   call D (optional): ... bash bench/run_h200.sh 4   # e2e against TRL with --offload-optimizer
+#   call D (optional): ... bash bench/run_h200.sh 4   # e2e against TRL with --no-offload-optimizer
 # both with carry [".gpu3", ".gpu_trl"]
 #
 # A: the attention check, rollout (0.5B), weight push (0.5B, 1.5B), the GPU tests; B: policy update (0.5B,
@@ -22,8 +22,8 @@
 #   defaults   (no carry, ~6 min)      flatrl with its defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
 #   verl       (carry .gpu_verl1, ~8 min)  unpacks verl (first time), then verl at $MODEL, flatrl's figures from
 #                                      the defaults part's JSON on this machine (--flatrl-from), so the ratios come out
-#   levers     (no carry, ~7 min)      flatrl alone at 0.5b: --checkpoint-layers auto, --no-expandable-segments,
-#                                      --async-steps 1 --engine-process
+#   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
+#   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
 #   smollm2    (carry .gpu_smol4 .gpu_trl; the calls before it copied .gpu_smol1-3 into /tmp/smol_parts,
 #              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then flatrl with async + engine process
@@ -92,15 +92,16 @@ elif [ "$part" = 2 ]; then
 elif [ "$part" = 3 ]; then  # flatrl with gradient checkpointing, TRL's setting (2.3 min measured, 58239f2)
   run e2e-gc python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --gradient-checkpointing --skip-trl \
     --out "$OUT/e2e_gc.json"
-elif [ "$part" = 4 ]; then  # flatrl with the optimizer state off the device in the rollout, against TRL (7.5 min, 8723179)
-  run e2e-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --offload-optimizer \
-    --out "$OUT/e2e_offload.json"
+elif [ "$part" = 4 ]; then  # flatrl with the optimizer state on the device in the rollout (the default before 2026-12-05)
+  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --no-offload-optimizer \
+    --out "$OUT/e2e_no_offload.json"
 elif [ "$part" = gpu-tests ]; then
   run gpu-tests python3 -m pytest -q -rs -m gpu tests/ -k "not sleep_wake"
   for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
     run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
   done
-elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every layer, expandable segments, share 0.3
+elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every layer, expandable segments, the
+  # optimizer state in host memory during the rollout, share 0.3
   run e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
     --out "$OUT/e2e_defaults_$MODEL.json"
   keep "e2e_defaults_$MODEL.json"
@@ -115,13 +116,16 @@ elif [ "$part" = verl ]; then
     --verl-steps 2 --timeout-s 500 --out "$OUT/e2e_verl_$MODEL.json"
   [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
   [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
-elif [ "$part" = levers ]; then
+elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time at 0.5B (f7812f0): two a call
   run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --checkpoint-layers auto \
     --out "$OUT/e2e_auto.json"
-  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
-    --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
   run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --async-steps 1 \
     --engine-process --out "$OUT/e2e_async.json"
+elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
+  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --no-offload-optimizer \
+    --out "$OUT/e2e_no_offload.json"
+  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+    --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
 elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0.5B; 0.3 of the H200 holds 42 GiB
   run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
@@ -137,6 +141,6 @@ elif [ "$part" = smollm2 ]; then
   run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|share|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|levers2|share|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

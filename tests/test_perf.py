@@ -58,7 +58,11 @@ def test_mfu_arithmetic_matches_the_h200_baseline():
 
 def _plan_cfg(path: str, **actor_kw) -> SimpleNamespace:
     return SimpleNamespace(
-        model=actor.ModelConfig(path=path, enable_gradient_checkpointing=False),  # the numbers below
+        model=actor.ModelConfig(  # the numbers below: no checkpointing, the optimizer state on the device throughout
+            path=path,
+            enable_gradient_checkpointing=False,
+            fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=False),
+        ),
         actor=actor.ActorConfig(**({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16384} | actor_kw)),
         rollout=rollout.RolloutConfig(gpu_memory_utilization=0.5),
         data=SimpleNamespace(max_prompt_length=256, max_response_length=512),
@@ -86,7 +90,10 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     assert "--model.enable_gradient_checkpointing" in text
     on = _plan_cfg(str(tmp_path))
     on.model = actor.ModelConfig(path=str(tmp_path))  # checkpointing on (the default): not advised again
-    text = perf.plan(on, world_size=1, device_total=20 * GiB).render()
+    defaults = perf.plan(on, world_size=1, device_total=20 * GiB)
+    assert defaults.phases["gen"]["optimizer"] == 0  # the default offloads the optimizer state in the rollout
+    assert defaults.phases["update"]["optimizer"] == 8 * P
+    text = defaults.render()
     assert "update does not fit" in text and "--model.enable_gradient_checkpointing" not in text
     # checkpointing keeps one layer's full set and every layer's input; offloading the optimizer in rollout
     shape = perf.model_shape(str(tmp_path))
@@ -346,7 +353,9 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
         data=rl.RLDataConfig(max_prompt_length=256, max_response_length=512),
         critic=ppo.CriticConfig(
             ppo_micro_batch_size_per_gpu=4,
-            model=actor.ModelConfig(path="", enable_gradient_checkpointing=False),
+            model=actor.ModelConfig(
+                path="", enable_gradient_checkpointing=False, fsdp_config=grpo_cfg.model.fsdp_config
+            ),
         ),
         algorithm=ppo.AlgorithmConfig(use_kl_in_reward=True),
     )
@@ -380,15 +389,17 @@ QWEN15 = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, nu
 
 
 @pytest.mark.parametrize(
-    "shape, share, layers", [(QWEN05, 0.3, 0), (QWEN15, 0.3, 18), (QWEN05, 0.12, 24), (QWEN15, 0.5, 0)]
+    "shape, share, layers", [(QWEN05, 0.3, 2), (QWEN15, 0.3, 24), (QWEN05, 0.12, 24), (QWEN15, 0.5, 8)]
 )
 def test_auto_checkpointing_takes_the_fewest_layers_that_keep_the_update_under_the_engine(
     tmp_path, shape, share, layers
 ):
     """model.gradient_checkpointing_layers=auto on the e2e bench's shapes and batch (16,384-token micro-batches,
     an H200's 143.7 GiB): the fewest recomputing layers whose update plan, times the 10% margin, stays at or under
-    the phases with the engine awake. At vLLM's share 0.3 that is none at 0.5B and 18 of 28 at 1.5B; with a
-    small share the engine no longer sets the peak and every layer recomputes."""
+    the phases with the engine awake. With the defaults (the optimizer state off the device while the engine is
+    awake, which lowers those phases) at vLLM's share 0.3 that is 2 of 24 layers at 0.5B and 24 of 28 at 1.5B
+    (none and 18 with the state on the device); with a small share the engine no longer sets the peak and every
+    layer recomputes."""
     import grpo
 
     Qwen2Config(**shape).save_pretrained(tmp_path)
