@@ -138,7 +138,7 @@ def stop_at_step_boundary_on_sigterm() -> None:
     """SIGTERM, which schedulers send before they kill a job, no longer ends this process at once: it is noted,
     and `stop_requested` tells the trainer at the end of the step, which then saves a checkpoint and exits
     (sft.py, grpo.py, ppo.py). A second SIGTERM ends the process at once. SIGINT keeps Python's default (the
-    rollout watchdog, rollout.deadline, interrupts through it)."""
+    rollout watchdog, watchdog.deadline, interrupts through it)."""
 
     def note(signum: int, frame: Any) -> None:
         global _stop_signal

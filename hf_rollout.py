@@ -18,6 +18,7 @@ import torch
 
 import fsdp
 import rollout
+import watchdog
 
 
 class HFEngine:
@@ -121,7 +122,7 @@ class HFEngine:
             output_logits=want_lp,  # the raw logits, before temperature/top-k/top-p
             return_dict_in_generate=True,
         )
-        with rollout.deadline("generate", self.cfg.timeout_s), self._own_rng():
+        with watchdog.deadline("generate", self.cfg.timeout_s), self._own_rng():
             out = self.model.generate(
                 ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
             )
@@ -142,7 +143,7 @@ class HFEngine:
         """Copies the streamed tensors in, strictly: an unknown or a missing name is an error."""
         params = dict(self.model.named_parameters())  # a tied lm_head appears once, as the embedding
         seen = set()
-        with rollout.deadline("push_weights", self.cfg.timeout_s):
+        with watchdog.deadline("push_weights", self.cfg.timeout_s):
             for name, tensor in named_params:
                 if name not in params:
                     raise KeyError(f"rollout: push_weights got {name!r}, which the model does not have")

