@@ -236,19 +236,36 @@ CUDA_CONTEXT_BYTES = int(0.6 * GIB)
 """The CUDA context and library handles outside torch's allocator: an estimate."""
 
 
-def activation_bytes_per_token(shape: ModelShape, checkpointed_layers: int) -> float:
+def activation_bytes_per_token(shape: ModelShape, checkpointed_layers: int, recompute: bool = True) -> float:
     """Activations a training forward keeps for backward, bytes per token, bf16 compute (FSDP mixed precision),
     with `checkpointed_layers` of the decoder layers recomputing theirs (0: none; shape.layers: all).
 
     Per layer: two RMSNorms (fp32 input copy 4H, bf16 input 2H, bf16 output 2H each: 16H), q/k/v/o and the
     attention kernel's saved q, k, v, output and their contiguous copies (6 Dq + 4 Dkv), the gated MLP (gate,
     SiLU output, up, product: 8I). A checkpointed layer keeps only its input (2H), and one layer's full set is
-    alive during its recomputation. Counted by hand from transformers' Qwen2 modules.
+    alive during its recomputation (left out with recompute=False). Counted by hand from transformers' Qwen2
+    modules.
     """
     dq, dkv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_layer = 16 * shape.hidden + 6 * dq + 4 * dkv + 8 * shape.intermediate
     k = min(checkpointed_layers, shape.layers)
-    return (shape.layers - k) * per_layer + k * 2 * shape.hidden + (per_layer if k else 0)
+    return (shape.layers - k) * per_layer + k * 2 * shape.hidden + (per_layer if k and recompute else 0)
+
+
+def update_bytes(shape: ModelShape, checkpointed_layers: int, tokens: float) -> dict[str, float]:
+    """A policy update's micro-batch of `tokens` (bytes): the activations kept for backward, the training logits
+    and the logprob kernel's workspace, and the recomputed layer's full set where it exceeds those two. The
+    recomputation and the logits never meet: backward frees the logits and their gradient at the lm_head, before
+    it recomputes the last checkpointed layer (tests/test_bench_e2e_verl.py checks the plan against two H200 runs)."""
+    saved = activation_bytes_per_token(shape, checkpointed_layers, recompute=False) * tokens
+    layer = activation_bytes_per_token(shape, checkpointed_layers) * tokens - saved
+    logits, kernel = logits_bytes_per_token(shape, True) * tokens, kernel_workspace_bytes(shape)
+    return {
+        "activations": saved,
+        "logits": logits,
+        "kernel": kernel,
+        "recomputed layer": max(0.0, layer - logits - kernel),
+    }
 
 
 def checkpointed_layers(model_cfg: Any, shape: ModelShape) -> int:
@@ -323,7 +340,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          until the update's first optimizer step (sync, gen, old_logprob)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
-    update               + activation_bytes_per_token x micro-batch tokens + training logits + kernel workspace;
+    update               + update_bytes: activations kept for backward, training logits, kernel workspace, and
+                         the recomputed layer's full set beyond the logits (the two are never alive together);
                          with Ulysses SP (fsdp_config.ulysses_sequence_parallel_size) a rank holds 1/SP of a
                          micro-batch's tokens, so its activations and logits are divided by SP (sp.py); a token
                          budget (use_dynamic_bsz) is per GPU, so an SP group's micro-batch holds SP budgets
@@ -374,8 +392,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         | {"logits": logits_bytes_per_token(shape, False) * T, "kernel": workspace},
         "update": base
         | {"optimizer": adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
-        | {"activations": activation_bytes_per_token(shape, ckpt) * T}
-        | {"logits": logits_bytes_per_token(shape, True) * T, "kernel": workspace},
+        | update_bytes(shape, ckpt, T),
         "sync": base | {"optimizer": rollout_adam, "engine": engine, "unsharded": unsharded},
     }
     if critic is None:

@@ -248,12 +248,7 @@ def memory_plan(cfg: SFTConfig, model: torch.nn.Module, world_size: int) -> str:
         "grads": on_device * 4 * trained / world_size,
         "optimizer": on_device * 8 * trained / world_size,
         "unsharded": 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params,
-        "activations": perf.activation_bytes_per_token(
-            shape, shape.layers if cfg.model.enable_gradient_checkpointing else 0
-        )
-        * tokens,
-        "logits": perf.logits_bytes_per_token(shape, training=True) * tokens,
-        "kernel": perf.kernel_workspace_bytes(shape),
+        **perf.update_bytes(shape, shape.layers if cfg.model.enable_gradient_checkpointing else 0, tokens),
     }
     device_total = float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
     fix = ", ".join(f"--{k} (now {v})" for k, v in memory_settings(cfg).items())

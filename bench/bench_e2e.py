@@ -216,24 +216,40 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     }  # fmt: skip
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
-        out["plan_check_gib"] = plan_check(memory, out["plan_by_phase_gib"], engine)
+        out["plan_check_gib"] = plan_check(
+            memory, out["plan_by_phase_gib"], engine, awake=args.async_steps > 0
+        )
     return out
 
 
-def plan_check(memory: dict, plan: dict, engine_gib: float) -> dict:
+def plan_check(memory: dict, plan: dict, engine_gib: float, awake: bool = False) -> dict:
     """Per phase, perf.plan's figure against the phase's measured peak allocated, on the same footing.
 
     torch counts vLLM's pool (weights and KV cache, about gpu_memory_utilization x the device) as allocated in
     every phase, asleep or awake, since sleeping unmaps the memory but keeps the tensors (H200, 0.5B: 46 GiB
     "allocated" in the reward phase with 15.8 GiB of the device in use). The plan adds the engine's budget to
     gen and sync only, where it is awake; in the other phases (old_logprob, update) the comparable measure is the
-    allocated peak less the engine's share."""
+    allocated peak less the engine's share, and the plan's side drops what it counts for the sleeping engine
+    (perf.ENGINE_ASLEEP_BYTES; the whole share when the engine stays `awake`, rollout.async_steps=1). The CUDA
+    context (perf.CUDA_CONTEXT_BYTES) is outside torch's count in every phase, so the plan's side drops it too."""
+    import perf
+
+    context, asleep = (
+        perf.CUDA_CONTEXT_BYTES / 2**30,
+        engine_gib if awake else perf.ENGINE_ASLEEP_BYTES / 2**30,
+    )
     out = {}
     for phase, p in plan.items():
         allocated = memory.get(phase, {}).get("peak_allocated")
         if allocated is not None and p:
-            measured = allocated if phase in ("gen", "sync") else allocated - engine_gib
-            out[phase] = {"plan": p, "measured": round(measured, 2), "ratio": round(measured / p, 3)}
+            engine_on = phase in ("gen", "sync")
+            measured = allocated if engine_on else allocated - engine_gib
+            planned = round(p - context - (0.0 if engine_on else asleep), 3)
+            out[phase] = {
+                "plan": planned,
+                "measured": round(measured, 2),
+                "ratio": round(measured / planned, 3),
+            }
     return out
 
 
@@ -254,8 +270,11 @@ def timeout_tail(e: subprocess.TimeoutExpired) -> str:
     return text[-3000:]
 
 
-def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
-    """perf.plan's estimate (GiB) per phase for the flatrl run's settings."""
+def plan_by_phase(
+    args: argparse.Namespace, model: str, device_total: float | None = None
+) -> dict[str, float]:
+    """perf.plan's estimate (GiB) per phase for the flatrl run's settings, on a device of `device_total` bytes
+    (None: this CUDA device's)."""
     from types import SimpleNamespace
 
     import actor
@@ -277,8 +296,8 @@ def plan_by_phase(args: argparse.Namespace, model: str) -> dict[str, float]:
         ),
         data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
     )
-    cfg, _ = perf.resolve_auto_checkpointing(cfg, 1)  # as grpo.py resolves an auto
-    return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1).phases.items()}
+    cfg, _ = perf.resolve_auto_checkpointing(cfg, 1, device_total)  # as grpo.py resolves an auto
+    return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1, device_total).phases.items()}
 
 
 def trl_worker(args: argparse.Namespace) -> None:
