@@ -337,7 +337,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
                          gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
                          with offload_optimizer_in_rollout the AdamW state is off the device from the push
-                         until the update's first optimizer step (sync, gen, old_logprob)
+                         until the update's first optimizer step (sync, gen, old_logprob; in the update too
+                         when that step is its only one, except by what the state exceeds the backward's share)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
     update               + update_bytes: activations kept for backward, training logits, kernel workspace, and
@@ -378,6 +379,10 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     rollout_adam = 0.0 if offload_in_rollout else adam
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
+    tail = update_bytes(shape, ckpt, T)
+    # Offloaded and one optimizer step an update: the state comes back at that step, after the last backward, so it
+    # never meets the activations and logits; it counts only where it exceeds them.
+    update_adam = max(0.0, adam - sum(tail.values())) if offload_in_rollout and _one_step(cfg) else adam
     critic = getattr(cfg, "critic", None)
     c_adam = c_rollout_adam = 0.0
     if critic is not None:
@@ -391,8 +396,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
         | {"logits": logits_bytes_per_token(shape, False) * T, "kernel": workspace},
         "update": base
-        | {"optimizer": adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
-        | update_bytes(shape, ckpt, T),
+        | {"optimizer": update_adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
+        | tail,
         "sync": base | {"optimizer": rollout_adam, "engine": engine, "unsharded": unsharded},
     }
     if critic is None:
@@ -416,6 +421,13 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         "activations": activation_bytes_per_token(shape, c_ckpt) * Tc,
     }
     return phases
+
+
+def _one_step(cfg: Any) -> bool:
+    """Whether each update is one optimizer step (ppo_epochs 1, a mini-batch of the whole batch); False where the
+    config does not say (a bench's partial config)."""
+    batch = getattr(cfg.data, "train_batch_size", None)
+    return batch is not None and cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size >= batch
 
 
 def plan(cfg: Any, world_size: int = 1, device_total: float | None = None) -> Plan:

@@ -290,11 +290,19 @@ def plan_by_phase(
             lora_rank=args.lora["rank"] if args.lora else 0,
             fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
         ),
-        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget),
+        actor=actor.ActorConfig(
+            use_dynamic_bsz=True,
+            ppo_max_token_len_per_gpu=args.token_budget,
+            ppo_mini_batch_size=args.num_prompts,
+        ),
         rollout=rollout.RolloutConfig(
             gpu_memory_utilization=args.gpu_memory_utilization, async_steps=args.async_steps
         ),
-        data=SimpleNamespace(max_prompt_length=args.prompt_len, max_response_length=args.response_len),
+        data=SimpleNamespace(
+            max_prompt_length=args.prompt_len,
+            max_response_length=args.response_len,
+            train_batch_size=args.num_prompts,
+        ),
     )
     cfg, _ = perf.resolve_auto_checkpointing(cfg, 1, device_total)  # as grpo.py resolves an auto
     return {k: common.gib(sum(v.values())) for k, v in perf.plan(cfg, 1, device_total).phases.items()}

@@ -235,16 +235,14 @@ def test_plan_check_takes_the_engines_share_out_of_the_allocated_peak():
 @pytest.mark.parametrize(
     "result, update_ratio",
     [
-        ("e2e_0.5b_verl_failed_b61eafc.json", 0.953),  # no checkpointing
-        (
-            "e2e_0.5b_defaults_f7812f0.json",
-            0.889,
-        ),  # every layer checkpointed: 0.787 when the recomputed layer
-        ("e2e_gc.json", 0.889),  # was counted beside the logits (it never meets them)
-        (
-            "e2e_offload_8723179.json",
-            0.862,
-        ),  # the AdamW state on the host until the update's one optimizer step
+        # no checkpointing
+        ("e2e_0.5b_verl_failed_b61eafc.json", 0.953),
+        # every layer checkpointed: 0.787 when the recomputed layer was counted beside the logits (never met)
+        ("e2e_0.5b_defaults_f7812f0.json", 0.889),
+        ("e2e_gc.json", 0.889),
+        # the AdamW state on the host until the update's one optimizer step, after the last backward: 0.862 when
+        # the plan counted it in the backward
+        ("e2e_offload_8723179.json", 0.949),
     ],
 )
 def test_the_plan_of_each_h200_run_is_within_15_percent_of_its_measured_update(
@@ -269,6 +267,7 @@ def test_the_plan_of_each_h200_run_is_within_15_percent_of_its_measured_update(
         async_steps=settings.get("flatrl_async_steps", 0),
         prompt_len=settings["prompt_len"],
         response_len=settings["response_len"],
+        num_prompts=settings["num_prompts"],
     )
     plan = bench_e2e.plan_by_phase(args, str(tmp_path), device_total=139.8 * 2**30)
     check = bench_e2e.plan_check(run["memory_by_phase_gib"], plan, 0.3 * 139.8)
