@@ -505,7 +505,8 @@ def resolve_auto_checkpointing(
             ceiling = max(phases[n] for n in ("gen", "old_logprob", "sync"))
             if phases[phase] * AUTO_CHECKPOINT_MARGIN <= ceiling:
                 break
-        cfg = trial
+        # every layer is "all": what models whose layers cannot be picked one by one (fsdp.load_model) also take
+        cfg = trial if k < shape.layers else _with_checkpoint_layers(cfg, key, "all")
         where = "" if device_total else "; no CUDA device here, so the engine's share is not counted"
         said.append(
             f"{key}.gradient_checkpointing_layers=auto: {k} of {shape.layers} layers recompute ({phase} planned at "
@@ -514,7 +515,7 @@ def resolve_auto_checkpointing(
     return cfg, said
 
 
-def _with_checkpoint_layers(cfg: Any, key: str, k: int) -> Any:
+def _with_checkpoint_layers(cfg: Any, key: str, k: int | str) -> Any:
     """cfg with `key`'s (model or critic.model) gradient_checkpointing_layers set to k."""
     if key == "critic.model":
         model = _replace(cfg.critic.model, gradient_checkpointing_layers=k)
