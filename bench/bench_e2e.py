@@ -557,7 +557,8 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
            "flatrl_async_steps": args.async_steps,
-           "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "timeout_s": args.timeout_s,
+           "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
+           "timeout_s": args.timeout_s,
            "verl_override": args.verl_override,
            "model_path": args.model_path, "lora": args.lora},
         "flatrl": {"pending": "runs first"},
@@ -577,8 +578,11 @@ def main(args: argparse.Namespace) -> dict:
     else:
         run_framework("flatrl", lambda: run_flatrl(args, model, data, work), result, args.out)
     for peer in ("trl", "verl"):
+        if peer in args.peer_results:
+            result[peer] = args.peer_results[peer]
+            continue
         if peer not in args.peers:
-            result[peer] = {"skipped": f"not in --peers {','.join(args.peers)}"}
+            result[peer] = {"skipped": f"not in --peers {','.join(args.peers) or '(none)'}"}
             continue
         run = (
             (lambda: run_trl(args, model, data, work))
@@ -676,25 +680,34 @@ FLATRL_ONLY = {
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
 
 
-def earlier_flatrl(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
-    """flatrl's result in the --flatrl-from JSON (an earlier bench_e2e --out), checked against this run's shape."""
-    path = args.flatrl_from
+def earlier_results(
+    args: argparse.Namespace, p: argparse.ArgumentParser, flag: str, path: str, names: list[str]
+) -> dict[str, dict]:
+    """The results of `names` (frameworks) in the JSON at `path` (an earlier bench_e2e --out, given as `flag`) that
+    have a step time, each marked with the file and its commit; refused unless the file ran this run's shape and
+    holds at least one of them."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        p.error(f"--flatrl-from {path}: not a readable JSON file ({e})")
-    flatrl = earlier.get("flatrl") if isinstance(earlier, dict) else None
-    if not isinstance(flatrl, dict) or "step_s" not in flatrl:
-        p.error(f"--flatrl-from {path}: its 'flatrl' has no step_s (it holds {str(flatrl)[:200]})")
+        p.error(f"{flag} {path}: not a readable JSON file ({e})")
+    if not isinstance(earlier, dict):
+        p.error(f"{flag} {path}: not a bench_e2e result (it holds {str(earlier)[:200]})")
+    found = {n: earlier.get(n) for n in names if isinstance(earlier.get(n), dict) and "step_s" in earlier[n]}
+    if not found:
+        held = {n: str(earlier.get(n))[:100] for n in names}
+        p.error(f"{flag} {path}: no step_s for {', '.join(names)} (it holds {held})")
     theirs = {"model": earlier.get("model")} | {k: earlier.get("settings", {}).get(k) for k in SAME}
     ours = {"model": args.model} | {k: getattr(args, k) for k in SAME}
     diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
     if diff:
-        p.error(f"--flatrl-from {path}: ran other settings, (file, this run): {diff}")
+        p.error(f"{flag} {path}: ran other settings, (file, this run): {diff}")
     hardware = earlier.get("hardware")
     commit = hardware.get("commit") if isinstance(hardware, dict) else earlier.get("commit")
     token_budget = earlier.get("settings", {}).get("token_budget")
-    return flatrl | {"from_file": path, "from_commit": commit, "from_token_budget": token_budget}
+    return {
+        n: r | {"from_file": path, "from_commit": commit, "from_token_budget": token_budget}
+        for n, r in found.items()
+    }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -790,6 +803,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="take flatrl's result from an earlier --out of the same --model, batch and lengths instead of running it",
     )
     p.add_argument(
+        "--peers-from",
+        default=None,
+        metavar="JSON",
+        help="take the peers this run does not run (not in --peers) from an earlier --out of the same --model, "
+        "batch and lengths on this machine, so a flatrl-only run still gets its ratios",
+    )
+    p.add_argument(
         "--verl-steps", type=int, default=3, help="verl steps (the first is reported apart), as TRL's"
     )
     p.add_argument(
@@ -845,7 +865,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(
                 f"{', '.join(given)}: flatrl's settings, and flatrl does not run (--skip-flatrl/--flatrl-from)"
             )
-    args.flatrl_result = earlier_flatrl(args, p) if args.flatrl_from and args.worker is None else None
+    args.flatrl_result = (
+        earlier_results(args, p, "--flatrl-from", args.flatrl_from, ["flatrl"])["flatrl"]
+        if args.flatrl_from and args.worker is None
+        else None
+    )
+    others = [x for x in ("trl", "verl") if x not in args.peers]
+    if args.peers_from and not others:
+        p.error(
+            f"--peers-from {args.peers_from}: every peer runs here (--peers {','.join(args.peers)}); drop one"
+        )
+    args.peer_results = (
+        earlier_results(args, p, "--peers-from", args.peers_from, others)
+        if args.peers_from and args.worker is None
+        else {}
+    )
     if args.worker is None and args.model != "smollm2" and args.model_path:
         p.error(
             f"--model-path {args.model_path}: only --model smollm2 takes a folder (--model {args.model} is built)"

@@ -52,6 +52,9 @@ fi
 python3 -c "import tyro" || echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh); grpo.py and toy.py fail without it"
 
 MODEL=${MODEL:-0.5b}
+# The flatrl-only parts (levers, levers2, share) take TRL's figures from the defaults part on this machine, for ratios.
+peers_from=()
+[ -f "$WORK/json/e2e_defaults_0.5b.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_0.5b.json")
 keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
   mkdir -p "$WORK/json" && [ -f "$OUT/$1" ] && cp "$OUT/$1" "$WORK/json/"
 }
@@ -117,19 +120,19 @@ elif [ "$part" = verl ]; then
   [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
   [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
 elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time at 0.5B (f7812f0): two a call
-  run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --checkpoint-layers auto \
-    --out "$OUT/e2e_auto.json"
-  run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --async-steps 1 \
-    --engine-process --out "$OUT/e2e_async.json"
+  run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --checkpoint-layers auto --out "$OUT/e2e_auto.json"
+  run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --async-steps 1 --engine-process --out "$OUT/e2e_async.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
-  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --no-offload-optimizer \
-    --out "$OUT/e2e_no_offload.json"
-  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
+  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
 elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0.5B; 0.3 of the H200 holds 42 GiB
-  run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+  run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
-  run e2e-share012-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+  run e2e-share012-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --out "$OUT/e2e_share012_async.json"
 elif [ "$part" = smollm2 ]; then
   mkdir -p /tmp/smol_parts && cp .gpu_smol4/* /tmp/smol_parts/ 2>/dev/null

@@ -64,6 +64,39 @@ def test_what_finished_survives_a_failing_and_a_terminated_framework(tmp_path, m
     assert r["ratios"]["flatrl_vs_trl_step_time"] is None and r["settings"]["token_budget"] == 16384
 
 
+def test_a_flatrl_only_run_takes_its_peers_from_an_earlier_run(tmp_path, monkeypatch, offline, capsys):
+    """--peers-from: the peers this run does not run come from an earlier --out (the defaults part's, on the same
+    warm machine), so a lever's flatrl-only run gets its ratios; a peer that runs here is run, not taken."""
+    monkeypatch.setattr(bench_e2e, "run_flatrl", lambda *a: dict(FLATRL))
+    monkeypatch.setattr(bench_e2e, "run_trl", lambda *a: pytest.fail("TRL must not run"))
+    earlier = tmp_path / "defaults.json"
+    earlier.write_text(json.dumps({
+        "model": "0.5b", "flatrl": {"step_s": 20.0}, "hardware": {"commit": "abc1234"},
+        "trl": {"step_s": 32.0, "peak_device_used_gib": 53.0, "samples_per_hour": 57600.0},
+        "verl": {"skipped": "not in --peers trl"},
+        "settings": {"num_prompts": 64, "n": 8, "prompt_len": 256, "response_len": 512, "token_budget": 16384},
+    }))  # fmt: skip
+    base = ["--model", "0.5b", "--workdir", str(tmp_path), "--skip-trl"]
+    r = bench_e2e.main(bench_e2e.parse([*base, "--peers-from", str(earlier), "--async-steps", "1"]))
+    assert r["trl"]["step_s"] == 32.0 and r["trl"]["from_commit"] == "abc1234"
+    assert r["ratios"]["flatrl_vs_trl_step_time"] == 10.0 / 32.0
+    assert r["ratios"]["flatrl_vs_trl_peak_device_used"] == 40.0 / 53.0
+    assert r["verl"]["skipped"] == "not in --peers (none)" and r["settings"]["peers_from"] == str(earlier)
+    with pytest.raises(SystemExit):  # the file's shape must be this run's
+        bench_e2e.parse([*base, "--num-prompts", "32", "--peers-from", str(earlier)])
+    assert "ran other settings, (file, this run): {'num_prompts': (64, 32)}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # every peer runs here: nothing to take
+        bench_e2e.parse(["--model", "0.5b", "--peers", "trl,verl", "--peers-from", str(earlier)])
+    assert "every peer runs here" in capsys.readouterr().err
+    flatrl_only = tmp_path / "flatrl_only.json"
+    flatrl_only.write_text(
+        json.dumps({"model": "0.5b", "flatrl": {"step_s": 20.0}, "trl": {"error": "broke"}})
+    )
+    with pytest.raises(SystemExit):  # no peer with a step time in the file
+        bench_e2e.parse([*base, "--peers-from", str(flatrl_only)])
+    assert "no step_s for trl, verl" in capsys.readouterr().err
+
+
 def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offline, capsys):
     monkeypatch.setattr(bench_e2e, "run_flatrl", lambda *a: pytest.fail("flatrl must not run"))
     monkeypatch.setattr(bench_e2e, "run_trl", lambda *a: {"step_s": 25.0, "peak_device_used_gib": 50.0})
