@@ -325,6 +325,8 @@ def forward_logprobs(
         temperature is 1; None without `with_raw` at another temperature, which spares a pass over the logits).
         All fp32; callers mask them with their label mask.
     """
+    if getattr(model, FUSED_HEAD, False):
+        return _fused_forward_logprobs(model, batch, labels, temperature, with_entropy, chunk_size, with_raw)
     logits = model(**data.model_inputs(batch)).logits  # [B, T, V]
     lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
     if temperature == 1.0:
@@ -334,6 +336,86 @@ def forward_logprobs(
     with torch.no_grad():
         raw = token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
     return lp, ent, raw
+
+
+FUSED_HEAD = "flatrl_fused_lm_head"
+"""The model attribute `fuse_lm_head` sets: forward_logprobs then never makes the [B, T, V] logits."""
+# Config fields of architectures whose logits are more than lm_head(hidden): the fused path would skip that step.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def fuse_lm_head(model: torch.nn.Module) -> None:
+    """Makes forward_logprobs on `model` compute each row chunk's logits from the final hidden states and the LM
+    head's weight (token_logprobs_and_entropy_from_hidden) inside the model's forward, in place of the head: no
+    [B, T, V] logits, nor their gradient, are ever held (at 16,384 tokens and Qwen's 151,936 ids, 9.3 GiB in bf16);
+    the backward recomputes each chunk's logits. The head runs inside the model's own forward, so FSDP2's gathered
+    weight and its gradient hooks are the ones the plain head would use. Refused, with the reason, where the
+    logits are not the head's plain matmul (a bias, softcapping or scaling in the config)."""
+    head = model.get_output_embeddings()
+    name = type(model.config).__name__
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(f"model.fused_lm_head: {name}'s output layer is {type(head).__name__} with a bias or not "
+                         "a Linear; the fused head needs a Linear without bias")  # fmt: skip
+    transforms = [k for k in _LOGIT_TRANSFORMS if getattr(model.config, k, None) not in (None, 1.0)]
+    if transforms:
+        raise ValueError(f"model.fused_lm_head: {name} transforms its logits ({', '.join(transforms)}); the fused "
+                         "head computes lm_head(hidden) only")  # fmt: skip
+    _head_place(model, head)
+    setattr(model, FUSED_HEAD, True)
+
+
+def _head_place(model: torch.nn.Module, head: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """(the module that holds `head` as a child, the child's name): where the fused head goes for a forward."""
+    for module in model.modules():
+        for attr, child in module.named_children():
+            if child is head:
+                return module, attr
+    raise ValueError(
+        f"model.fused_lm_head: the output layer of {type(model).__name__} is not one of its modules"
+    )
+
+
+class _FusedHead(torch.nn.Module):
+    """Stands in for the LM head during one forward: (logprob, entropy) per token from the hidden states."""
+
+    def __init__(
+        self, head: torch.nn.Linear, labels, temperature, with_entropy, chunk_size, with_raw
+    ) -> None:
+        super().__init__()
+        self.__dict__["head"] = head  # not a child module: the parameter names stay the model's
+        self.args = (labels, chunk_size, with_entropy, temperature)
+        self.with_raw, self.raw = with_raw, None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        labels, chunk_size, with_entropy, temperature = self.args
+        weight = self.head.weight
+        lp, ent = token_logprobs_and_entropy_from_hidden(
+            hidden, weight, labels, chunk_size, with_entropy, temperature
+        )
+        if self.with_raw and temperature != 1.0:
+            with torch.no_grad():
+                self.raw = token_logprobs_and_entropy_from_hidden(
+                    hidden, weight, labels, chunk_size, False, 1.0
+                )[0]
+        # Returned as the model's logits, so that its output is what the loss reads (FSDP2's backward hooks
+        # hang on the root module's outputs).
+        return lp.unsqueeze(-1) if ent is None else torch.stack([lp, ent], -1)
+
+
+def _fused_forward_logprobs(model, batch, labels, temperature, with_entropy, chunk_size, with_raw):
+    """forward_logprobs with the LM head swapped for _FusedHead for one forward (fuse_lm_head)."""
+    head = model.get_output_embeddings()
+    owner, attr = _head_place(model, head)
+    fused = _FusedHead(head, labels, temperature, with_entropy, chunk_size, with_raw)
+    setattr(owner, attr, fused)
+    try:
+        out = model(**data.model_inputs(batch)).logits  # [B, T, 1 or 2]
+    finally:
+        setattr(owner, attr, head)
+    lp, ent = out[..., 0], out[..., 1] if with_entropy else None
+    if temperature == 1.0:
+        return lp, ent, lp.detach()
+    return lp, ent, fused.raw
 
 
 # ------------------------------------------------------------------------------ preference losses (dpo.py)

@@ -252,7 +252,9 @@ def activation_bytes_per_token(shape: ModelShape, checkpointed_layers: int, reco
     return (shape.layers - k) * per_layer + k * 2 * shape.hidden + (per_layer if k and recompute else 0)
 
 
-def update_bytes(shape: ModelShape, checkpointed_layers: int, tokens: float) -> dict[str, float]:
+def update_bytes(
+    shape: ModelShape, checkpointed_layers: int, tokens: float, fused: bool = False
+) -> dict[str, float]:
     """A policy update's micro-batch of `tokens` (bytes): the activations kept for backward, the training logits
     and the logprob kernel's workspace, and the recomputed layer's full set where it exceeds those two. The
     recomputation and the logits never meet: backward frees the logits and their gradient at the lm_head, before
@@ -260,6 +262,10 @@ def update_bytes(shape: ModelShape, checkpointed_layers: int, tokens: float) -> 
     saved = activation_bytes_per_token(shape, checkpointed_layers, recompute=False) * tokens
     layer = activation_bytes_per_token(shape, checkpointed_layers) * tokens - saved
     logits, kernel = logits_bytes_per_token(shape, True) * tokens, kernel_workspace_bytes(shape)
+    if (
+        fused
+    ):  # model.use_fused_kernels: no logits; the head's weight gradient builds up in one fp32 [V, H] buffer
+        logits, kernel = 0.0, kernel + 4 * shape.vocab * shape.hidden
     return {
         "activations": saved,
         "logits": logits,
@@ -343,6 +349,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          (one computing, one prefetched) 2 * 2 * layer params
     update               + update_bytes: activations kept for backward, training logits, kernel workspace, and
                          the recomputed layer's full set beyond the logits (the two are never alive together);
+                         model.use_fused_kernels: no logits, an fp32 [V, H] weight-gradient buffer instead;
                          with Ulysses SP (fsdp_config.ulysses_sequence_parallel_size) a rank holds 1/SP of a
                          micro-batch's tokens, so its activations and logits are divided by SP (sp.py); a token
                          budget (use_dynamic_bsz) is per GPU, so an SP group's micro-batch holds SP budgets
@@ -379,7 +386,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     rollout_adam = 0.0 if offload_in_rollout else adam
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
-    tail = update_bytes(shape, ckpt, T)
+    fused = getattr(cfg.model, "use_fused_kernels", False)
+    tail = update_bytes(shape, ckpt, T, fused)
     # Offloaded and one optimizer step an update: the state comes back at that step, after the last backward, so it
     # never meets the activations and logits; it counts only where it exceeds them.
     update_adam = max(0.0, adam - sum(tail.values())) if offload_in_rollout and _one_step(cfg) else adam
@@ -394,7 +402,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         "gen": base | {"optimizer": rollout_adam, "engine": engine},
         "old_logprob": base
         | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
-        | {"logits": logits_bytes_per_token(shape, False) * T, "kernel": workspace},
+        | {"logits": 0.0 if fused else logits_bytes_per_token(shape, False) * T, "kernel": workspace},
         "update": base
         | {"optimizer": update_adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
         | tail,

@@ -97,6 +97,7 @@ REWARD_FN = (
 MB_IN_ORDER = "a step's samples are already a random draw of prompts; mini-batches take them in that order"
 MEGATRON = "a Megatron-LM setting (verl's ppo_megatron_trainer): flatrl trains with FSDP2"
 NO_QAT = "no quantization-aware training"
+FUSED = "logprobs and entropy straight from the hidden states, in row chunks: no [B, T, V] logits are held"
 
 
 def _fsdp_size(value: Any) -> int:
@@ -481,6 +482,10 @@ RL: dict[str, Rule] = {
     "debug": Map("trainer.debug"),
     **_under("actor_rollout_ref.model", RL_MODEL),
     **_under("actor_rollout_ref.actor", RL_ACTOR),
+    # verl's FusedLinearForPPO: logprobs and entropy from the hidden states, no [B, T, V] logits (the critic's and
+    # SFT's copies of the key stay ignored: a value head has no vocabulary)
+    "actor_rollout_ref.model.use_fused_kernels": Map("model.use_fused_kernels", why=FUSED),
+    "actor_rollout_ref.actor.use_fused_kernels": Map("model.use_fused_kernels", why=FUSED),
     "actor_rollout_ref.ref.model": Only((None,), "the reference is the starting policy (model.path)"),
     "actor_rollout_ref.ref.*": Ignore(REF),
     **_under("actor_rollout_ref.rollout", RL_ROLLOUT),

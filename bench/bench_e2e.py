@@ -20,7 +20,8 @@ between optimizer-step ends); the first step is reported apart (first-call costs
   checkpointing (flatrl's default, verl's and TRL's) of every layer unless `--no-gradient-checkpointing` or
   `--checkpoint-layers auto|N`, expandable segments while the engine sleeps unless `--no-expandable-segments`,
   sleep level 2, the optimizer state in host memory during the rollout unless `--no-offload-optimizer`, vLLM's
-  engine core in grpo.py's process unless `--engine-process`, one seed per call unless `--per-request-seeds`,
+  engine core in grpo.py's process unless `--engine-process`, the logits made whole unless `--use-fused-kernels`,
+  one seed per call unless `--per-request-seeds`,
   rollouts of the weights just pushed unless `--async-steps 1`), `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
@@ -132,6 +133,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "path": model, "enable_gradient_checkpointing": args.gradient_checkpointing,
             "gradient_checkpointing_layers": args.checkpoint_layers,
             "fsdp_config": {"offload_optimizer_in_rollout": args.offload_optimizer},
+            "use_fused_kernels": args.use_fused_kernels,
         },
         "actor": {
             "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
@@ -289,6 +291,7 @@ def plan_by_phase(
             gradient_checkpointing_layers=args.checkpoint_layers,
             lora_rank=args.lora["rank"] if args.lora else 0,
             fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
+            use_fused_kernels=args.use_fused_kernels,
         ),
         actor=actor.ActorConfig(
             use_dynamic_bsz=True,
@@ -556,6 +559,7 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_expandable_segments": args.expandable_segments,
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
+           "flatrl_use_fused_kernels": args.use_fused_kernels,
            "flatrl_async_steps": args.async_steps,
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
            "timeout_s": args.timeout_s,
@@ -673,6 +677,7 @@ FLATRL_ONLY = {
     "--checkpoint-layers": lambda a: a.checkpoint_layers != "all",
     "--no-expandable-segments": lambda a: not a.expandable_segments,
     "--engine-process": lambda a: a.engine_process,
+    "--use-fused-kernels": lambda a: a.use_fused_kernels,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
 }
@@ -764,6 +769,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="flatrl's model.fsdp_config.offload_optimizer_in_rollout (on by default): the AdamW state off the "
         "device from the push to the next optimizer step; --no-offload-optimizer keeps it on the device",
     )  # fmt: skip
+    p.add_argument(
+        "--use-fused-kernels",
+        action="store_true",
+        help="flatrl with model.use_fused_kernels: logprobs from the hidden states in row chunks, no [B, T, V] logits",
+    )
     p.add_argument(
         "--engine-process",
         action="store_true",

@@ -24,6 +24,7 @@
 #                                      the defaults part's JSON on this machine (--flatrl-from), so the ratios come out
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
+#   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
 #   smollm2    (carry .gpu_smol4 .gpu_trl; the calls before it copied .gpu_smol1-3 into /tmp/smol_parts,
 #              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then flatrl with async + engine process
@@ -129,6 +130,11 @@ elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
   run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
+elif [ "$part" = fused ]; then  # model.use_fused_kernels: no [B, T, V] logits (8.8 GiB less in the 0.5B update's plan)
+  run e2e-fused python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --use-fused-kernels --out "$OUT/e2e_fused.json"
+  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --use-fused-kernels --checkpoint-layers auto --out "$OUT/e2e_fused_auto.json"
 elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0.5B; 0.3 of the H200 holds 42 GiB
   run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
@@ -144,6 +150,6 @@ elif [ "$part" = smollm2 ]; then
   run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|levers2|share|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|levers2|fused|share|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -268,6 +268,7 @@ def test_the_plan_of_each_h200_run_is_within_15_percent_of_its_measured_update(
         prompt_len=settings["prompt_len"],
         response_len=settings["response_len"],
         num_prompts=settings["num_prompts"],
+        use_fused_kernels=settings.get("flatrl_use_fused_kernels", False),
     )
     plan = bench_e2e.plan_by_phase(args, str(tmp_path), device_total=139.8 * 2**30)
     check = bench_e2e.plan_check(run["memory_by_phase_gib"], plan, 0.3 * 139.8)

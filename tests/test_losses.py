@@ -349,3 +349,83 @@ def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch):
     monkeypatch.setattr(losses, "COMPILE", True)
     with pytest.raises(torch.OutOfMemoryError):
         losses._or_eager(oom, losses._chunk_stats)(z, labels, 1.0, True)
+
+
+@pytest.mark.parametrize("tied, lora_rank", [(True, 0), (False, 0), (True, 4)])
+def test_fused_lm_head_matches_the_plain_head_under_fsdp2(tmp_path, one_rank, tied, lora_rank, monkeypatch):
+    """model.use_fused_kernels (losses.fuse_lm_head): the logprobs, entropies and raw logprobs of a sharded
+    (FSDP2) two-layer Qwen2 with checkpointing, at temperature 0.7, and every parameter's gradient after two
+    backward passes (the head's own, tied to the embedding or not; LoRA's adapters), as with the plain head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import actor
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 10), generator=gen)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(10).expand(2, 10),
+    }
+    labels = torch.randint(0, 64, (2, 10), generator=gen)
+    calls = {"hidden": 0, "logits": 0}
+
+    def counted(key, real):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for key, name in (
+        ("hidden", "token_logprobs_and_entropy_from_hidden"),
+        ("logits", "token_logprobs_and_entropy"),
+    ):
+        monkeypatch.setattr(losses, name, counted(key, getattr(losses, name)))
+    results = {}
+    for fused in (False, True):
+        torch.manual_seed(2)  # the same fresh LoRA adapters in both runs
+        model_cfg = actor.ModelConfig(path=str(tmp_path / "m"), use_fused_kernels=fused, lora_rank=lora_rank)
+        model, _ = actor.load(model_cfg, one_rank.device)
+        model.train()
+        for _ in range(2):
+            lp, ent, raw = losses.forward_logprobs(model, batch, labels, 0.7, with_entropy=True)
+            (-(lp.sum() + 0.1 * ent.sum())).backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+        # the plain path made logits twice per forward (temperature 0.7, then raw at 1); the fused one never did
+        assert calls == ({"hidden": 0, "logits": 4} if not fused else {"hidden": 4, "logits": 4}), calls
+        results[fused] = (lp.detach(), ent.detach(), raw, grads)
+    (lp0, ent0, raw0, g0), (lp1, ent1, raw1, g1) = results[False], results[True]
+    assert torch.allclose(lp0, lp1, atol=1e-6) and torch.allclose(ent0, ent1, atol=1e-6)
+    assert torch.allclose(raw0, raw1, atol=1e-6) and not torch.allclose(raw1, lp1)  # raw is at temperature 1
+    assert g0.keys() == g1.keys() and len(g1) > 0
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], atol=1e-6, rtol=1e-5), name
+    if lora_rank == 0:  # the head's own gradient, from the fused kernel's backward
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        assert g1[head].abs().sum() > 0 and ("lm_head.weight" in g1) != tied
+    else:
+        assert all("lora" in name for name in g1)
+
+
+def test_fused_lm_head_refuses_heads_that_transform_their_logits(tmp_path):
+    """A config that caps or scales its logits, or a head with a bias: one line naming the reason."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="transforms its logits \\(final_logit_softcapping\\)"):
+        losses.fuse_lm_head(model)
+    model.config.final_logit_softcapping = None
+    model.lm_head = torch.nn.Linear(32, 64, bias=True)
+    with pytest.raises(ValueError, match="needs a Linear without bias"):
+        losses.fuse_lm_head(model)
+    model.lm_head = torch.nn.Linear(32, 64, bias=False)
+    losses.fuse_lm_head(model)
+    assert getattr(model, losses.FUSED_HEAD)

@@ -145,6 +145,21 @@ def test_plan_keeps_an_offloaded_state_out_of_the_update_when_it_is_one_optimize
     assert perf.resolve_auto_checkpointing(auto, 1, 139.8 * GiB)[0].model.gradient_checkpointing_layers == 0
 
 
+def test_plan_with_fused_kernels_holds_no_logits(tmp_path):
+    """model.use_fused_kernels: neither the update nor the old-logprob pass holds [T, V] logits; the update gains
+    the head's fp32 [V, H] weight-gradient buffer instead: 8.8 GiB less at 0.5B and 16,384 tokens."""
+    Qwen2Config(**QWEN05).save_pretrained(tmp_path)
+    plain = _plan_cfg(str(tmp_path))
+    fused = SimpleNamespace(
+        **(vars(plain) | {"model": dataclasses.replace(plain.model, use_fused_kernels=True)})
+    )
+    a, b = (perf.plan(c, 1, 140 * 2**30).phases for c in (plain, fused))
+    assert b["update"]["logits"] == 0 and b["old_logprob"]["logits"] == 0
+    assert b["update"]["kernel"] - a["update"]["kernel"] == 4 * 151936 * 896
+    saved = sum(a["update"].values()) - sum(b["update"].values())
+    assert saved == 4 * 151936 * 16384 - 4 * 151936 * 896 and round(saved / 2**30, 1) == 8.8
+
+
 def test_phase_timer_adds_up_and_pops_memory_metrics_only_on_cuda():
     clock = iter(range(100))
     t = perf.PhaseTimer()

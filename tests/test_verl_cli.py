@@ -375,6 +375,21 @@ def test_value_grammar_refuses_a_sweep():
         overrides.parse_value("a,b")
 
 
+def test_verl_fused_kernels_reach_the_policy_only(capsys):
+    """actor_rollout_ref.model.use_fused_kernels (and verl's actor-level copy) turn on flatrl's fused LM head;
+    the critic's key stays ignored, with its reason."""
+    c = config.parse(grpo.GRPOConfig, ["actor_rollout_ref.model.use_fused_kernels=True"])
+    assert c.model.use_fused_kernels and not grpo.GRPOConfig().model.use_fused_kernels
+    assert config.parse(
+        grpo.GRPOConfig, ["actor_rollout_ref.actor.use_fused_kernels=true"]
+    ).model.use_fused_kernels
+    k = config.parse(ppo.PPOConfig, ["critic.model.use_fused_kernels=True"])
+    assert not k.critic.model.use_fused_kernels and not k.model.use_fused_kernels
+    err = capsys.readouterr().err
+    assert "mapped: actor_rollout_ref.actor.use_fused_kernels -> model.use_fused_kernels" in err
+    assert "ignored: critic.model.use_fused_kernels=True" in err  # model.* keys move silently, as named
+
+
 def test_overrides_and_precedence(tmp_path, capsys):
     path = tmp_path / "x.yaml"
     path.write_text("actor:\n  ppo_epochs: 4\n  optim: {lr: 3e-6}\ntrainer: {experiment_name: from-yaml}\n")
