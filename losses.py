@@ -354,11 +354,11 @@ def fuse_lm_head(model: torch.nn.Module) -> None:
     head = model.get_output_embeddings()
     name = type(model.config).__name__
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        raise ValueError(f"model.fused_lm_head: {name}'s output layer is {type(head).__name__} with a bias or not "
+        raise ValueError(f"model.use_fused_kernels: {name}'s output layer is {type(head).__name__} with a bias or not "
                          "a Linear; the fused head needs a Linear without bias")  # fmt: skip
     transforms = [k for k in _LOGIT_TRANSFORMS if getattr(model.config, k, None) not in (None, 1.0)]
     if transforms:
-        raise ValueError(f"model.fused_lm_head: {name} transforms its logits ({', '.join(transforms)}); the fused "
+        raise ValueError(f"model.use_fused_kernels: {name} transforms its logits ({', '.join(transforms)}); the fused "
                          "head computes lm_head(hidden) only")  # fmt: skip
     _head_place(model, head)
     setattr(model, FUSED_HEAD, True)
@@ -371,7 +371,7 @@ def _head_place(model: torch.nn.Module, head: torch.nn.Module) -> tuple[torch.nn
             if child is head:
                 return module, attr
     raise ValueError(
-        f"model.fused_lm_head: the output layer of {type(model).__name__} is not one of its modules"
+        f"model.use_fused_kernels: the output layer of {type(model).__name__} is not one of its modules"
     )
 
 

@@ -258,13 +258,12 @@ def update_bytes(
     """A policy update's micro-batch of `tokens` (bytes): the activations kept for backward, the training logits
     and the logprob kernel's workspace, and the recomputed layer's full set where it exceeds those two. The
     recomputation and the logits never meet: backward frees the logits and their gradient at the lm_head, before
-    it recomputes the last checkpointed layer (tests/test_bench_e2e_verl.py checks the plan against two H200 runs)."""
+    it recomputes the last checkpointed layer (tests/test_bench_e2e_verl.py checks the plan against four H200 runs)."""
     saved = activation_bytes_per_token(shape, checkpointed_layers, recompute=False) * tokens
     layer = activation_bytes_per_token(shape, checkpointed_layers) * tokens - saved
     logits, kernel = logits_bytes_per_token(shape, True) * tokens, kernel_workspace_bytes(shape)
-    if (
-        fused
-    ):  # model.use_fused_kernels: no logits; the head's weight gradient builds up in one fp32 [V, H] buffer
+    # model.use_fused_kernels: no logits; the head's weight gradient builds up in one fp32 [V, H] buffer
+    if fused:
         logits, kernel = 0.0, kernel + 4 * shape.vocab * shape.hidden
     return {
         "activations": saved,
