@@ -21,8 +21,8 @@ between optimizer-step ends); the first step is reported apart (first-call costs
   `--checkpoint-layers auto|N`, expandable segments while the engine sleeps unless `--no-expandable-segments`,
   sleep level 2, the optimizer state in host memory during the rollout unless `--no-offload-optimizer`, vLLM's
   engine core in grpo.py's process unless `--engine-process`, the logits made whole unless `--use-fused-kernels`,
-  one seed per call unless `--per-request-seeds`,
-  rollouts of the weights just pushed unless `--async-steps 1`), `rollout.ignore_eos` for fixed lengths.
+  one seed per call unless `--per-request-seeds`, rollouts of the weights just pushed unless `--async-steps 1`),
+  `rollout.ignore_eos` for fixed lengths.
 - TRL (optional: skipped with a message when `import trl` fails, or on CPU, where its colocated weight sync
   does not run): `vllm_mode="colocate"`, fp32 master weights (`model_init_kwargs dtype float32`) + bf16
   autocast as flatrl, gradient checkpointing (as in the TRL run of bench/README.md's device baselines), per-device batch
