@@ -9,6 +9,7 @@ The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW)
     packed   model.use_remove_padding, actor.use_dynamic_bsz, ppo_max_token_len_per_gpu=--token-budget:
              one [1, N] row per micro-batch, varlen attention on GPU (attention.VARLEN)
     padded   right-padded [B, T] micro-batches of --micro-batch-size responses (sdpa with a padding mask)
+    fused    packed, with model.use_fused_kernels: logprobs from the hidden states in row chunks, no [N, V] logits
 
 Figures: trained tokens (prompt + response, padding not counted) per second; MFU = 6 x matmul params x tokens
 / seconds / 989 TFLOP/s (perf.py), also against the 787 TFLOP/s an 8192^3 bf16 matmul reaches on the H200;
@@ -45,6 +46,7 @@ from common import Clock
 import actor
 import fsdp
 import grpo
+import losses
 import optim
 import perf
 import rl
@@ -149,10 +151,21 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        out[mode] = run_mode(policy, optimizer, samples, args, mode == "packed", d.device)
+        if mode == "fused":
+            losses.fuse_lm_head(policy)
+        try:
+            out[mode] = run_mode(policy, optimizer, samples, args, mode in ("packed", "fused"), d.device)
+        finally:
+            setattr(policy, losses.FUSED_HEAD, False)
         print(size, mode, out[mode], flush=True)
     if "packed" in out and "padded" in out:
         out["packed_vs_padded"] = out["packed"]["tok_per_s"] / out["padded"]["tok_per_s"]
+    if "packed" in out and "fused" in out:
+        out["fused_vs_packed"] = out["fused"]["tok_per_s"] / out["packed"]["tok_per_s"]
+        if "peak_allocated_gib" in out["fused"]:
+            out["fused_vs_packed_peak_allocated"] = (
+                out["fused"]["peak_allocated_gib"] / out["packed"]["peak_allocated_gib"]
+            )
     plan_cfg = SimpleNamespace(
         model=model_cfg,
         rollout=rollout.RolloutConfig(),
@@ -189,7 +202,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: toy, 0.5b, 1.5b, or model folders")
     p.add_argument("--toy", action="store_true", help="CPU smoke run on the toy model")
-    p.add_argument("--modes", default="packed,padded")
+    p.add_argument(
+        "--modes",
+        default="packed,padded,fused",
+        help="comma-separated: packed, padded, fused (the docstring says)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
