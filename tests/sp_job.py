@@ -1,5 +1,6 @@
 """torchrun job of tests/test_sp.py: GRPO's policy update and PPO's critic update on fixed samples, under a given
-Ulysses degree. `python sp_job.py MODEL SP OUT.json`; rank 0 writes the metrics (one step each) to OUT.json.
+Ulysses degree. `python sp_job.py MODEL SP OUT.json [fused]`; rank 0 writes the metrics (one step each) to OUT.json;
+`fused` runs the policy with model.use_fused_kernels.
 
 The samples do not depend on the SP degree: 8 prompts x 2 responses, one of them longer than a rank's share of
 its micro-batch; each rank builds the same global list and keeps its own prompts' samples (as rl.py's sampling
@@ -22,6 +23,7 @@ import actor  # noqa: E402
 import data  # noqa: E402
 import fsdp  # noqa: E402
 import grpo  # noqa: E402
+import losses  # noqa: E402
 import optim  # noqa: E402
 import ppo  # noqa: E402
 import rl  # noqa: E402
@@ -46,6 +48,7 @@ def global_samples() -> list[actor.Sample]:
 
 def main() -> None:
     model_path, sp_size, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fused = sys.argv[4:] == ["fused"]  # the policy with model.use_fused_kernels (the critic has no LM head)
     d = fsdp.init_distributed(300)
     torch.manual_seed(0)
     n_prompts = 8 // d.world_size  # each rank generates for its own prompts (rl.py), SP or not
@@ -53,7 +56,7 @@ def main() -> None:
     for s in samples:
         s.group -= d.rank * n_prompts
     fs = fsdp.FSDPConfig(ulysses_sequence_parallel_size=sp_size)
-    model_cfg = actor.ModelConfig(path=model_path, fsdp_config=fs)
+    model_cfg = actor.ModelConfig(path=model_path, fsdp_config=fs, use_fused_kernels=fused)
     layout = actor.Layout(True, 0, d.device)
     # the largest forward any rank ran, in tokens: under SP no rank holds the 160-token sequence whole
     seen = [0]
@@ -88,6 +91,7 @@ def main() -> None:
         "old_logprobs_sum": old_sum,
         "values_sum": values_sum,
         "max_tokens": fsdp.all_reduce(max(seen), "max"),
+        "fused_head": bool(getattr(policy, losses.FUSED_HEAD, False)),
     }
     if sp_size > 1:  # a forward that bypasses sp.py on whole sequences is refused, not run on mixed batches
         whole = data.pack_batch([[5, 6, 7]], [[0, 1, 1]], mask_dtype=None)

@@ -38,9 +38,9 @@ def test_padded_layout_is_refused(tiny_qwen2):
         sp.setup(model, 2, "cpu", packed=False)
 
 
-def _rl(toy: Path, tmp: Path, nproc: int, sp_size: int) -> dict:
-    out = tmp / f"rl_{nproc}_{sp_size}.json"
-    torchrun("tests/sp_job.py", [str(toy / "model"), str(sp_size), str(out)], nproc=nproc)
+def _rl(toy: Path, tmp: Path, nproc: int, sp_size: int, *extra: str) -> dict:
+    out = tmp / f"rl_{nproc}_{sp_size}{''.join(extra)}.json"
+    torchrun("tests/sp_job.py", [str(toy / "model"), str(sp_size), str(out), *extra], nproc=nproc)
     return json.loads(out.read_text())
 
 
@@ -55,7 +55,8 @@ def _close(a: dict, b: dict, keys: list[str]) -> None:
 @pytest.mark.slow
 def test_grpo_update_and_critic_match_without_sp(toy_dir, tmp_path):
     """One GRPO policy step and one PPO critic step on the same 16 samples (one 160 tokens long): SP=2 on 2
-    ranks and [dp 2, sp 2] on 4 ranks equal SP=1 on 2 ranks; under SP no rank's forward holds that sequence."""
+    ranks and [dp 2, sp 2] on 4 ranks equal SP=1 on 2 ranks, and so does SP=2 with the fused LM head; under SP no
+    rank's forward holds that sequence."""
     ref = _rl(toy_dir, tmp_path, 2, 1)
     keys = ["actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss", "critic/vpred_mean"]
     keys += ["critic/grad_norm", "old_logprobs_sum", "values_sum"]
@@ -65,6 +66,10 @@ def test_grpo_update_and_critic_match_without_sp(toy_dir, tmp_path):
         _close(got, ref, keys)
         assert got["max_tokens"] < 100, got  # each rank runs half of its micro-batch's packed row
         assert got["direct_call_refused"] is True, got
+    # the fused LM head (model.use_fused_kernels) under SP: each rank's chunks of its own tokens, the same step
+    fused = _rl(toy_dir, tmp_path, 2, 2, "fused")
+    _close(fused, ref, keys)
+    assert fused["max_tokens"] < 100 and fused["fused_head"] and not ref["fused_head"], fused
 
 
 @pytest.mark.slow
