@@ -219,3 +219,19 @@ def test_bench_tokenizer_transformers_517(tmp_path, transformers_517):
     assert (
         r["version"] == "5.17.0" and r["len"] == 1 and r["ids"] == [[], []]
     )  # the failure is not 5.19's alone
+
+
+def test_e2e_table_ratios_match_the_bench(monkeypatch):
+    """bench/e2e_table.py's rows from a stored H200 run: its step and memory ratios are the ones bench_e2e wrote."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_table
+
+    path = ROOT / "bench" / "results" / "e2e_0.5b_defaults_f7812f0.json"
+    d = json.loads(path.read_text())
+    rows = {r[1]: r for r in e2e_table.rows(str(path))}
+    assert set(rows) == {"flatrl", "trl"}
+    step, memory = rows["trl"][-1].split(", ")
+    assert float(step.split()[1]) == pytest.approx(d["ratios"]["flatrl_vs_trl_step_time"], abs=1e-3)
+    assert float(memory.split()[1]) == pytest.approx(d["ratios"]["flatrl_vs_trl_peak_device_used"], abs=1e-3)
+    assert float(rows["flatrl"][2]) == pytest.approx(d["flatrl"]["step_s"], abs=0.01)
+    assert "| trl |" in e2e_table.table([str(path)])

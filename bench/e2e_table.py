@@ -1,0 +1,84 @@
+"""The issue-21 table from bench_e2e.py's JSON files: one row per framework of each file, side by side.
+
+    python3 bench/e2e_table.py bench/results/e2e_0.5b_defaults_f7812f0.json $OUT/e2e_verl_0.5b.json ...
+
+Columns: the step (median after the first), samples an hour, peak device memory used (sampled over the steps
+where the run has it), generation and the rest of the step, and flatrl's ratios against each peer of the same file.
+A framework that was skipped or failed gets its reason instead of figures; one taken from an earlier file
+(--flatrl-from, --peers-from) names that file's commit. Generation is each framework's own phase: flatrl's and
+verl's `gen`, TRL's `vLLM.generate` (TRL times no trainer phase of its own that covers the update, so "rest" is
+the step less generation for all three).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+GEN = {"flatrl": "gen", "trl": "vLLM.generate", "verl": "gen"}
+
+
+def used(r: dict) -> float | None:
+    return r.get("peak_device_used_sampled_gib") or r.get("peak_device_used_gib")
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def rows(path: str) -> list[list[str]]:
+    """The table's rows for one bench_e2e result file."""
+    d = json.loads(Path(path).read_text())
+    commit = d.get("hardware", {}).get("commit")
+    gpu = d.get("hardware", {}).get("gpu")
+    label = f"{Path(path).stem} ({d.get('model')}, {commit}, {gpu})"
+    out = []
+    for name in ("flatrl", "trl", "verl"):
+        r = d.get(name)
+        if not isinstance(r, dict):
+            continue
+        if "step_s" not in r:
+            why = r.get("skipped") or r.get("error") or r.get("running") or "no step"
+            if name != "flatrl" and str(why).startswith("not in --peers"):
+                continue
+            out.append([label, name, f"no step: {str(why).splitlines()[0][:120]}"] + [""] * 6)
+            continue
+        gen = r.get("phases_s", {}).get(GEN[name])
+        src = f" (from {r['from_commit']})" if r.get("from_file") else ""
+        ratio = ""
+        if name != "flatrl":
+            mine = d.get("flatrl", {})
+            if mine.get("step_s"):
+                ratio = f"step {mine['step_s'] / r['step_s']:.3f}"
+                if used(mine) and used(r):
+                    ratio += f", memory {used(mine) / used(r):.3f}"
+        out.append(
+            [
+                label,
+                name + src,
+                fmt(r["step_s"]),
+                fmt(r.get("samples_per_hour", 0) / 1000, 1) + "k",
+                fmt(used(r)),
+                fmt(gen),
+                fmt(r["step_s"] - gen if gen is not None else None),
+                fmt(r.get("mfu"), 3),
+                ratio,
+            ]
+        )
+    return out
+
+
+def table(paths: list[str]) -> str:
+    head = ["run", "framework", "step (s)", "samples/h", "peak used (GiB)", "gen (s)", "rest (s)", "MFU",
+            "flatrl / this"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in paths:
+        lines += ["| " + " | ".join(r) + " |" for r in rows(p)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python3 bench/e2e_table.py E2E_JSON...")
+    print(table(sys.argv[1:]))
