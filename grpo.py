@@ -364,7 +364,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     try:
         engine = rl.make_engine(cfg, run)
         step, results, _ = rl.resume(run, components, scheduler, guard)
-        if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
+        # trainer.val_only stops here
+        if rl.push_and_validate_first(run, engine, policy, step, results, offload):
             return results
         ahead = run.ahead = rl.RolloutAhead(run, engine) if cfg.rollout.async_steps else None
         while step < run.total_steps:
@@ -416,7 +417,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 with timer("sync"):
                     rl.push(run, engine, policy, offload)
             # 8. validate, log, save when due
-            save = functools.partial(rl.save, run, step, components, scheduler, guard, results)
+            save = functools.partial(
+                rl.save, run, step, components, scheduler, guard, results, offload=offload
+            )
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:
         rl.close(run, engine)

@@ -384,7 +384,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         if extra:
             optim.resume_schedule(critic_scheduler, extra["critic_scheduler"])
             kl_ctrl.value = extra["kl_coef"]
-        if rl.push_and_validate_first(run, engine, policy, step, results):  # trainer.val_only stops here
+        # trainer.val_only stops here
+        if rl.push_and_validate_first(run, engine, policy, step, results, offload):
             return results
         while step < run.total_steps:
             with rl.step_timer(cfg) as timer:
@@ -427,7 +428,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 with timer("sync"):
                     rl.push(run, engine, policy, offload)
             own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
-            save = functools.partial(rl.save, run, step, components, scheduler, guard, results, own)
+            save = functools.partial(rl.save, run, step, components, scheduler, guard, results, own, offload)
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:
         rl.close(run, engine)

@@ -325,6 +325,41 @@ def test_gpu_optimizer_offload_round_trip(one_rank):
     assert not offload.freed and not all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
 
 
+def test_optimizer_offload_before_the_engine_the_first_push_and_after_a_save(monkeypatch, tmp_path):
+    """The offload default keeps the optimizer state off the device whenever the engine holds its share: from
+    the build (the engine starts next, and the first step's generation runs before any update), at the first
+    push (a resumed state came back to be loaded), and after each save (reading the state brought it back). The
+    H200 run at 0fe6165 held the state through the first generation: 47.53 GiB allocated there, as without it."""
+    events = []
+
+    class Recorder:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def offload(self):
+            events.append("offload")
+
+    monkeypatch.setattr(rl.fsdp, "OptimizerOffload", Recorder)
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    assert rl.offloads(fsdp.FSDPConfig(offload_optimizer_in_rollout=False), opt) == [] and events == []
+    offload = rl.offloads(fsdp.FSDPConfig(), opt)  # the default: on
+    assert [o.optimizer for o in offload] == [opt] and events == ["offload"]
+
+    monkeypatch.setattr(rl.actor, "push_weights", lambda *a: events.append("push"))
+    trainer = SimpleNamespace(val_only=False, val_before_train=False, max_ckpt_to_keep=None)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=trainer), val=None, push_dtype=torch.bfloat16, ahead=None, sampler=None,
+        tokenizer=None, run_dir=tmp_path,
+    )  # fmt: skip
+    assert not rl.push_and_validate_first(run, None, None, 0, {}, offload)
+    assert events == ["offload", "offload", "push"]
+
+    monkeypatch.setattr(rl.checkpoint, "trainer_state", lambda *a, **k: {})
+    monkeypatch.setattr(rl.checkpoint, "save_checkpoint", lambda *a, **k: events.append("save") or tmp_path)
+    rl.save(run, 1, {"": (None, opt, {})}, None, None, {}, offload=offload)
+    assert events[-2:] == ["save", "offload"]
+
+
 def cache_kept_after_training(eager: bool) -> int:
     """Bytes of torch's cache that empty_cache cannot return after two AdamW steps of 4 Linear(1024, 1024)
     (4 MiB weights) on 64 MiB activations, beyond what was kept once the optimizer was built."""
