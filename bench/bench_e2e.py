@@ -175,6 +175,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "--config",
         flatrl_config(args, model, data, run_dir),
     ]
+    # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
+    Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
     watch = e2e_verl.DeviceWatch(Path(run_dir, "metrics.jsonl")) if torch.cuda.is_available() else None
     try:
@@ -219,12 +221,18 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
         out["plan_check_gib"] = plan_check(
-            memory, out["plan_by_phase_gib"], engine, awake=args.async_steps > 0
+            memory,
+            out["plan_by_phase_gib"],
+            engine,
+            awake=args.async_steps > 0,
+            engine_in_process=not args.engine_process,
         )
     return out
 
 
-def plan_check(memory: dict, plan: dict, engine_gib: float, awake: bool = False) -> dict:
+def plan_check(
+    memory: dict, plan: dict, engine_gib: float, awake: bool = False, engine_in_process: bool = True
+) -> dict:
     """Per phase, perf.plan's figure against the phase's measured peak allocated, on the same footing.
 
     torch counts vLLM's pool (weights and KV cache, about gpu_memory_utilization x the device) as allocated in
@@ -233,7 +241,10 @@ def plan_check(memory: dict, plan: dict, engine_gib: float, awake: bool = False)
     gen and sync only, where it is awake; in the other phases (old_logprob, update) the comparable measure is the
     allocated peak less the engine's share, and the plan's side drops what it counts for the sleeping engine
     (perf.ENGINE_ASLEEP_BYTES; the whole share when the engine stays `awake`, rollout.async_steps=1). The CUDA
-    context (perf.CUDA_CONTEXT_BYTES) is outside torch's count in every phase, so the plan's side drops it too."""
+    context (perf.CUDA_CONTEXT_BYTES) is outside torch's count in every phase, so the plan's side drops it too.
+    With the engine in its own process (`not engine_in_process`, rollout.engine_process) torch's count in grpo.py
+    holds none of the engine, so nothing comes off the measured side and the plan's side drops the engine in every
+    phase (its share where awake, the sleeping estimate elsewhere)."""
     import perf
 
     context, asleep = (
@@ -245,8 +256,12 @@ def plan_check(memory: dict, plan: dict, engine_gib: float, awake: bool = False)
         allocated = memory.get(phase, {}).get("peak_allocated")
         if allocated is not None and p:
             engine_on = phase in ("gen", "sync")
-            measured = allocated if engine_on else allocated - engine_gib
-            planned = round(p - context - (0.0 if engine_on else asleep), 3)
+            if engine_in_process:
+                measured = allocated if engine_on else allocated - engine_gib
+                planned = round(p - context - (0.0 if engine_on else asleep), 3)
+            else:
+                measured = allocated
+                planned = round(p - context - (engine_gib if engine_on else asleep), 3)
             out[phase] = {
                 "plan": planned,
                 "measured": round(measured, 2),

@@ -7,7 +7,8 @@ where the run has it), generation and the rest of the step, and flatrl's ratios 
 A framework that was skipped or failed gets its reason instead of figures; one taken from an earlier file
 (--flatrl-from, --peers-from) names that file's commit. Generation is each framework's own phase: flatrl's and
 verl's `gen`, TRL's `vLLM.generate` (TRL times no trainer phase of its own that covers the update, so "rest" is
-the step less generation for all three).
+the step less generation for all three). With `--async-steps 1` flatrl's generation runs beside the update, and
+the column holds its exposed part: `gen` plus `gen_wait`, the time the step waited for it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def rows(path: str) -> list[list[str]]:
                 continue
             out.append([label, name, f"no step: {str(why).splitlines()[0][:120]}"] + [""] * 6)
             continue
-        gen = r.get("phases_s", {}).get(GEN[name])
+        phases = r.get("phases_s", {})
+        gen = phases.get(GEN[name])
+        if gen is not None and "gen_wait" in phases:  # async: the generation that the step waited for
+            gen += phases["gen_wait"]
         src = f" (from {r['from_commit']})" if r.get("from_file") else ""
         ratio = ""
         if name != "flatrl":

@@ -250,10 +250,17 @@ class DeviceWatch:
             free, total = torch.cuda.mem_get_info()
             now = time.perf_counter()
             self.samples.append((now, (total - free) / 2**30))
-            if self.metrics is not None and self.metrics.is_file():
-                n = self.metrics.read_bytes().count(b"\n")
-                self.lines += [now] * (n - len(self.lines))
+            self.see_lines(now)
             self.stop.wait(self.period_s)
+
+    def see_lines(self, now: float) -> None:
+        """Record `now` as the time of each metrics line not seen before. A file that shrank (a run rewriting a
+        previous run's file) drops the times of the lines it lost, so a later line is not dated by an old one."""
+        if self.metrics is None:
+            return
+        n = self.metrics.read_bytes().count(b"\n") if self.metrics.is_file() else 0
+        del self.lines[n:]
+        self.lines += [now] * (n - len(self.lines))
 
     def __enter__(self) -> DeviceWatch:
         self.thread.start()

@@ -235,3 +235,17 @@ def test_e2e_table_ratios_match_the_bench(monkeypatch):
     assert float(memory.split()[1]) == pytest.approx(d["ratios"]["flatrl_vs_trl_peak_device_used"], abs=1e-3)
     assert float(rows["flatrl"][2]) == pytest.approx(d["flatrl"]["step_s"], abs=0.01)
     assert "| trl |" in e2e_table.table([str(path)])
+
+
+def test_e2e_table_shows_the_exposed_generation_of_an_async_run(monkeypatch):
+    """An async run (001eeb6, H200) times `gen` at ~0 s in the step and the wait for the background generation as
+    `gen_wait`: the table's generation column is their sum, and the rest is the step less it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_table
+
+    path = ROOT / "bench" / "results" / "e2e_0.5b_async012_001eeb6.json"
+    phases = json.loads(path.read_text())["flatrl"]["phases_s"]
+    (row,) = e2e_table.rows(str(path))
+    assert float(row[5]) == pytest.approx(phases["gen"] + phases["gen_wait"], abs=0.01)
+    assert float(row[5]) > 1.9  # 1.97 s of waiting; `gen` alone is 4e-5 s
+    assert float(row[6]) == pytest.approx(phases["step"] - phases["gen"] - phases["gen_wait"], abs=0.01)

@@ -232,6 +232,45 @@ def test_plan_check_takes_the_engines_share_out_of_the_allocated_peak():
     assert awake["update"]["plan"] == pytest.approx(62.0 - 0.6 - 42.0) and awake["update"]["measured"] == 38.0
 
 
+def test_plan_check_with_the_engine_in_its_own_process():
+    """The H200 run at 001eeb6 with async + the engine process (bench/results/e2e_0.5b_async012_001eeb6.json):
+    grpo.py's torch holds none of vLLM's 0.12 x 139.8 GiB, so taking the share off the allocated peak gave the
+    update -1.72 GiB; the share comes off the plan's side instead, in every phase."""
+    run = json.loads((ROOT / "bench/results/e2e_0.5b_async012_001eeb6.json").read_text())["flatrl"]
+    assert run["plan_check_gib"]["update"]["measured"] < 0  # what the bench stored before the fix
+    check = bench_e2e.plan_check(
+        run["memory_by_phase_gib"],
+        run["plan_by_phase_gib"],
+        0.12 * 139.8,
+        awake=True,
+        engine_in_process=False,
+    )
+    assert check["update"]["measured"] == pytest.approx(15.05, abs=0.01)
+    assert check["update"]["plan"] == pytest.approx(33.034 - 0.6 - 0.12 * 139.8, abs=0.001)
+    assert check["update"]["ratio"] == pytest.approx(0.961, abs=0.001)
+    assert check["gen"]["plan"] == pytest.approx(19.217 - 0.6 - 0.12 * 139.8, abs=0.001)
+    assert check["gen"]["measured"] == pytest.approx(2.16, abs=0.01)
+
+
+def test_a_rewritten_metrics_file_does_not_date_the_new_runs_rows_by_the_old_ones(tmp_path):
+    """Two flatrl benches in one call share a run folder: the second found the first's metrics.jsonl, its rows
+    were dated by the old rows' times, and its sampled peak came from before its steps (0.51 GiB at 001eeb6)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("a\nb\nc\nd\n")
+    watch = e2e_verl.DeviceWatch(metrics)
+    watch.see_lines(1.0)
+    assert watch.lines == [1.0] * 4
+    metrics.write_text("x\n")  # the next run truncates the file
+    watch.see_lines(2.0)
+    assert watch.lines == [1.0]
+    metrics.write_text("x\ny\nz\n")
+    watch.see_lines(3.0)
+    assert watch.lines == [1.0, 3.0, 3.0]
+    metrics.unlink()
+    watch.see_lines(4.0)
+    assert watch.lines == []
+
+
 @pytest.mark.parametrize(
     "result, update_ratio",
     [
