@@ -391,6 +391,31 @@ def _yaml_files(opts: argparse.Namespace) -> list[str]:
     return files
 
 
+_TRUE, _FALSE = {"true", "yes", "on"}, {"false", "no", "off"}
+
+
+def bool_flags(cls: type, args: list[str]) -> list[str]:
+    """tyro's bool flags take no value (`--rollout.engine_process`, `--rollout.no_engine_process`); `args` with
+    each `--KEY true|false` or `--KEY=true|false` of a bool field of `cls` (any case, yes/no, on/off) written that
+    way, so the command lines of argparse and Hydra habits parse. Any other token is left to tyro."""
+    out, i = [], 0
+    while i < len(args):
+        token = args[i]
+        name, eq, value = token.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        tp = overrides.field_type(cls, key) if key else None
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        if tp is bool and not eq and i + 1 < len(args) and args[i + 1].lower() in _TRUE | _FALSE:
+            value, i = args[i + 1], i + 1
+        if tp is bool and value.lower() in _TRUE | _FALSE:
+            head, _, leaf = key.rpartition(".")
+            token = f"--{key}" if value.lower() in _TRUE else f"--{head + '.' if head else ''}no_{leaf}"
+        out.append(token)
+        i += 1
+    return out
+
+
 def parse(cls: type[T], argv: list[str] | None = None) -> T:
     """Parse the command line into a `cls` instance: dataclass defaults < YAML < overrides < tyro flags.
 
@@ -408,7 +433,7 @@ def parse(cls: type[T], argv: list[str] | None = None) -> T:
     pre.add_argument("--print-config", action="store_true")
     opts, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     given = [m for m in map(overrides.match, rest) if m is not None]
-    tyro_args = [t for t in rest if overrides.match(t) is None]
+    tyro_args = bool_flags(cls, [t for t in rest if overrides.match(t) is None])
     entries: dict[str, tuple[Any, str]] = {}  # dotted key as the user wrote it -> (value, origin)
     default = None
     try:

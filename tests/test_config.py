@@ -91,6 +91,48 @@ def test_cli_beats_yaml(tmp_path):
     assert cfg.total_steps == 9 and cfg.optim.lr == 2e-5
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutCfg:
+    engine_process: bool = False
+    """the engine core in its own process"""
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedBoolCfg:
+    rollout: RolloutCfg = RolloutCfg()
+    """the rollout"""
+    packing: bool = True
+    """pack sequences"""
+
+
+@pytest.mark.parametrize(
+    "argv, engine_process, packing",
+    [
+        (["--rollout.engine_process", "true"], True, True),
+        (["--rollout.engine_process"], True, True),  # tyro's own spelling still works
+        (["--rollout.engine-process=False", "--packing", "no"], False, False),
+        (["--rollout.engine_process", "TRUE", "--packing=off"], True, False),
+        (
+            ["--rollout.engine_process", "false", "rollout.engine_process=true"],
+            False,
+            True,
+        ),  # flags beat overrides
+    ],
+)
+def test_bool_flags_take_a_value_as_argparse_and_hydra_users_write_them(argv, engine_process, packing):
+    """`--rollout.engine_process true` was "Unrecognized options: true" (tyro's bool flags take no value)."""
+    cfg = config.parse(NestedBoolCfg, argv)
+    assert (cfg.rollout.engine_process, cfg.packing) == (engine_process, packing)
+
+
+def test_a_bool_flag_with_another_word_is_still_an_error():
+    assert config.bool_flags(NestedBoolCfg, ["--packing", "maybe"]) == ["--packing", "maybe"]
+    with pytest.raises(SystemExit):
+        config.parse(NestedBoolCfg, ["--packing", "maybe"])
+    # a non-bool field keeps its value, whatever the word
+    assert config.bool_flags(TinyCfg, ["--total_steps", "true"]) == ["--total_steps", "true"]
+
+
 @pytest.mark.parametrize(
     "text, needles",
     [
