@@ -26,8 +26,9 @@
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
-#   async      (no carry, ~5 min)      async + engine process at share 0.12 over 8 steps (4 steps at 001eeb6 fell
-#                                      14.5, 13.0, 8.7 s: too few to say where they settle)
+#   async      (no carry, ~8.5 min)    async at share 0.12 over 6 steps, the engine in this process (one CUDA
+#                                      context: the two sides' kernels interleave) and in its own (two contexts,
+#                                      time-sliced); 4 steps at 001eeb6 fell 14.5, 13.0, 8.7 s
 #   smollm2    (carry .gpu_smol4 .gpu_trl; the calls before it copied .gpu_smol1-3 into /tmp/smol_parts,
 #              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then flatrl with async + engine process
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
@@ -144,8 +145,11 @@ elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0
   run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
 elif [ "$part" = async ]; then
-  run e2e-async8 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
-    --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --steps 8 --out "$OUT/e2e_async8.json"
+  run e2e-async6-inprocess python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --gpu-memory-utilization 0.12 --async-steps 1 --steps 6 --out "$OUT/e2e_async6_inprocess.json"
+  run e2e-async6-engine-process python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+    "${peers_from[@]}" --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --steps 6 \
+    --out "$OUT/e2e_async6_engine_process.json"
 elif [ "$part" = smollm2 ]; then
   mkdir -p /tmp/smol_parts && cp .gpu_smol4/* /tmp/smol_parts/ 2>/dev/null
   run smollm2-unpack bash scripts/smollm2_payload.sh unpack
