@@ -342,8 +342,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
                          gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
                          with offload_optimizer_in_rollout the AdamW state is off the device from its build
-                         and from each push until the update's first optimizer step (sync, gen, old_logprob; in the update too
-                         when that step is its only one, except by what the state exceeds the backward's share)
+                         and from each push until the update's first optimizer step (sync, gen, old_logprob;
+                         in the update too when that step is its only one, except by what the state exceeds
+                         the backward's share)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
     update               + update_bytes: activations kept for backward, training logits, kernel workspace, and

@@ -428,7 +428,9 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 with timer("sync"):
                     rl.push(run, engine, policy, offload)
             own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
-            save = functools.partial(rl.save, run, step, components, scheduler, guard, results, own, offload)
+            save = functools.partial(
+                rl.save, run, step, components, scheduler, guard, results, own, offload=offload
+            )
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:
         rl.close(run, engine)

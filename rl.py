@@ -481,10 +481,8 @@ def score_in_background(run: Run, samples: list[actor.Sample], prompts: list[dic
 def offloads(fsdp_cfg: fsdp.FSDPConfig, optimizer: torch.optim.Optimizer) -> list[fsdp.OptimizerOffload]:
     """[fsdp.OptimizerOffload(optimizer)] when fsdp_cfg.offload_optimizer_in_rollout (the policy's
     model.fsdp_config, or the critic's critic.model.fsdp_config), else []. The state (made at build,
-    optim.init_state) leaves the device at once: the engine starts next, and the first step's generation runs
-    before any update. Until 2026-12-05 it stayed there until the first update's push, and the first step's
-    generation, the run's peak, held it (the H200 at 0fe6165: 47.53 GiB allocated in generation, as without the
-    offload)."""
+    optim.init_state) leaves the device at once: the engine starts next, and the first step's generation, often
+    the run's peak, runs before any update."""
     out = [fsdp.OptimizerOffload(optimizer)] if fsdp_cfg.offload_optimizer_in_rollout else []
     for o in out:
         o.offload()
