@@ -20,8 +20,11 @@
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
 #   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
 #   defaults   (no carry, ~6 min)      flatrl with its defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
-#   verl       (carry .gpu_verl1, ~8 min)  unpacks verl (first time), then verl at $MODEL, flatrl's figures from
-#                                      the defaults part's JSON on this machine (--flatrl-from), so the ratios come out
+#   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
+#                                      own process session, flatrl's figures from the defaults part's JSON on this
+#                                      machine (--flatrl-from), so the ratios come out; follows it for WAIT_S s
+#   verl-wait  (no carry)              follows that verl run to its end (send it at once: the machine goes back
+#                                      30 s after a call); start-up alone took over 320 s on an H100
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
@@ -53,7 +56,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d .gpu_trl ] && [ ! -d /tmp/site/tyro ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_trl/*.whl
 fi
-python3 -c "import tyro" || echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh); grpo.py and toy.py fail without it"
+# Every part needs it (bench/common.py builds the models through toy.py): stop at once rather than 10 s into a bench
+# (2026-12-05: a verl call carried .gpu_verl1 alone and lost its 78 s to this)
+python3 -c "import tyro" || { echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh) with this call"; exit 3; }
 
 MODEL=${MODEL:-0.5b}
 # The flatrl-only parts (levers, levers2, share) take TRL's figures from the defaults part on this machine, for ratios.
@@ -112,17 +117,41 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
   run e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
     --out "$OUT/e2e_defaults_$MODEL.json"
   keep "e2e_defaults_$MODEL.json"
-elif [ "$part" = verl ]; then
-  if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
-  from=$WORK/json/e2e_defaults_$MODEL.json
-  # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
-  # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
-  [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
-  # 2026-12-05: 2 of 3 steps logged in 480 s (start-up included), so 2 steps (the first and one warm) in 500 s
-  run e2e-verl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}" \
-    --verl-steps 2 --timeout-s 500 --out "$OUT/e2e_verl_$MODEL.json"
-  [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
-  [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
+elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
+  # verl's main_ppo took more than 320 s to reach its first step on an H100 host (2026-12-05: Ray and its task
+  # runner 2.2 min, vLLM's server, engine core and worker processes 2.5 min, then torch.compile and graph capture),
+  # so the run goes in its own process session (setsid), which outlives the call (workplace device notes): `verl`
+  # starts it and follows it for WAIT_S seconds, `verl-wait` in the next call follows it to the end. Each copies
+  # verl's console, its metrics and the bench's JSON (written as the run goes) into $OUT every 15 s.
+  vdir=$WORK/verl_bench
+  copy_verl() {
+    [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
+    [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
+    [ -f "$vdir/e2e_verl_$MODEL.json" ] && cp "$vdir/e2e_verl_$MODEL.json" "$vdir/bench.log" "$OUT/"
+    return 0
+  }
+  if [ "$part" = verl ]; then
+    if [ -f "$vdir/pid" ] && kill -0 "$(cat "$vdir/pid")" 2>/dev/null; then
+      echo "== a verl bench is running already (pid $(cat "$vdir/pid")): use the part verl-wait"; exit 2
+    fi
+    if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
+    from=$WORK/json/e2e_defaults_$MODEL.json
+    # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
+    # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
+    [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
+    rm -rf "$vdir" && mkdir -p "$vdir"
+    cmd=(python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}"
+      --verl-steps "${VERL_STEPS:-3}" --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$vdir/e2e_verl_$MODEL.json")
+    echo "== e2e-verl-$MODEL (own session): ${cmd[*]}"
+    setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$vdir" "${cmd[@]}" < /dev/null &
+    echo $! > "$vdir/pid"
+  fi
+  [ -f "$vdir/pid" ] || { echo "== no verl bench was started on this machine: run the part verl first"; exit 2; }
+  deadline=$((SECONDS + ${WAIT_S:-560}))
+  while [ ! -f "$vdir/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 15; copy_verl; done
+  copy_verl
+  if [ -f "$vdir/rc" ]; then echo "== e2e-verl-$MODEL exited $(cat "$vdir/rc")"; tail -5 "$vdir/bench.log"
+  else echo "== e2e-verl-$MODEL still running after this call's ${WAIT_S:-560} s: send the part verl-wait now"; fi
 elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time at 0.5B (f7812f0): two a call
   run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --checkpoint-layers auto --out "$OUT/e2e_auto.json"
@@ -160,6 +189,6 @@ elif [ "$part" = smollm2 ]; then
   run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|levers|levers2|fused|share|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|levers|levers2|fused|share|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
