@@ -71,6 +71,13 @@ class ModelConfig:
     their gradient are never held (9.3 GiB at 16,384 tokens and Qwen's 151,936 ids), and the backward recomputes
     each chunk's logits (about 9% more FLOPs at 0.5B). Exact against the plain head on CPU; not yet measured on a
     GPU. Refused for heads that scale or cap their logits."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (dynamic shapes, one compiled graph shared by every layer and
+    micro-batch length): fuses the per-layer elementwise work (norms, rotary, activation, dtype casts) that the
+    host issues op by op, which bounds the update at small sizes on a fast GPU (bench/README.md). FSDP2's hooks
+    and the activation recomputation stay outside the compiled code, and parameter names do not change. The
+    first micro-batches pay the compilation. On CPU the graphs are captured (aot_eager) but nothing is fused.
+    Not with Ulysses sequence parallelism. Not yet measured on a GPU."""
     lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
     """LoRA rank; 0 trains all weights. With LoRA the reference policy is the base model (adapters off) and
     the engine receives the merged weights."""
@@ -86,6 +93,11 @@ class ModelConfig:
     """Sharding, mixed precision and offload."""
 
     def __post_init__(self) -> None:
+        if self.compile_layers and self.fsdp_config.ulysses_sequence_parallel_size > 1:
+            raise ValueError(
+                "model.compile_layers does not go with fsdp_config.ulysses_sequence_parallel_size > 1 (the "
+                "all-to-alls inside each layer are not compiled); set one of them off"
+            )
         layers = self.gradient_checkpointing_layers
         if isinstance(layers, int) and (isinstance(layers, bool) or layers < 0):
             raise ValueError(
@@ -178,6 +190,8 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
         fsdp.print0("critic.model.use_fused_kernels is ignored: a value head has no vocabulary to fuse")
     elif cfg.use_fused_kernels:
         losses.fuse_lm_head(model)
+    if cfg.compile_layers:
+        fsdp.compile_layers(model)
     return fsdp.shard_model(model, device, cfg.fsdp_config), hf_files
 
 

@@ -372,6 +372,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer's forward in place (model.compile_layers), before fully_shard.
+
+    Only `forward` is compiled, so the layer's `__call__` (FSDP2's all-gather hooks, transformers' activation
+    checkpointing) runs as before around it, and the module tree and parameter names stay as they were (no
+    `_orig_mod.` prefix in checkpoints or in the weight push). `dynamic=True` keeps one graph for every
+    micro-batch length; every layer runs the same code, so they share it too. CUDA uses inductor (Triton
+    kernels); CPU aot_eager, which traces and checks the graphs without needing a C++ compiler.
+    """
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+
+
 def device_mesh(device_type: str, hsdp_shard_size: int = 0) -> DeviceMesh:
     """The mesh FSDP2 shards over (collective: every rank calls it with the same arguments).
 

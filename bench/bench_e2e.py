@@ -133,7 +133,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
             "path": model, "enable_gradient_checkpointing": args.gradient_checkpointing,
             "gradient_checkpointing_layers": args.checkpoint_layers,
             "fsdp_config": {"offload_optimizer_in_rollout": args.offload_optimizer},
-            "use_fused_kernels": args.use_fused_kernels,
+            "use_fused_kernels": args.use_fused_kernels, "compile_layers": args.compile_layers,
         },
         "actor": {
             "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
@@ -574,7 +574,7 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_expandable_segments": args.expandable_segments,
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
-           "flatrl_use_fused_kernels": args.use_fused_kernels,
+           "flatrl_use_fused_kernels": args.use_fused_kernels, "flatrl_compile_layers": args.compile_layers,
            "flatrl_async_steps": args.async_steps,
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
            "timeout_s": args.timeout_s,
@@ -693,6 +693,7 @@ FLATRL_ONLY = {
     "--no-expandable-segments": lambda a: not a.expandable_segments,
     "--engine-process": lambda a: a.engine_process,
     "--use-fused-kernels": lambda a: a.use_fused_kernels,
+    "--compile-layers": lambda a: a.compile_layers,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
 }
@@ -788,6 +789,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--use-fused-kernels",
         action="store_true",
         help="flatrl with model.use_fused_kernels: logprobs from the hidden states in row chunks, no [B, T, V] logits",
+    )
+    p.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="flatrl with model.compile_layers: each decoder layer's forward through torch.compile (inductor)",
     )
     p.add_argument(
         "--engine-process",

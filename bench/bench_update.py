@@ -10,6 +10,8 @@ The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW)
              one [1, N] row per micro-batch, varlen attention on GPU (attention.VARLEN)
     padded   right-padded [B, T] micro-batches of --micro-batch-size responses (sdpa with a padding mask)
     fused    packed, with model.use_fused_kernels: logprobs from the hidden states in row chunks, no [N, V] logits
+    compiled packed, with model.compile_layers: each decoder layer's forward through torch.compile (its warm-up
+             update pays the compilation)
 
 Figures: trained tokens (prompt + response, padding not counted) per second; MFU = 6 x matmul params x tokens
 / seconds / 989 TFLOP/s (perf.py), also against the 787 TFLOP/s an 8192^3 bf16 matmul reaches on the H200;
@@ -153,13 +155,19 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
             torch.cuda.empty_cache()
         if mode == "fused":
             losses.fuse_lm_head(policy)
+        if mode == "compiled":
+            fsdp.compile_layers(policy)
         try:
-            out[mode] = run_mode(policy, optimizer, samples, args, mode in ("packed", "fused"), d.device)
+            out[mode] = run_mode(policy, optimizer, samples, args, mode != "padded", d.device)
         finally:
             setattr(policy, losses.FUSED_HEAD, False)
+            for layer in fsdp.decoder_layers(policy):  # the class's own forward again
+                vars(layer).pop("forward", None)
         print(size, mode, out[mode], flush=True)
     if "packed" in out and "padded" in out:
         out["packed_vs_padded"] = out["packed"]["tok_per_s"] / out["padded"]["tok_per_s"]
+    if "packed" in out and "compiled" in out:
+        out["compiled_vs_packed"] = out["compiled"]["tok_per_s"] / out["packed"]["tok_per_s"]
     if "packed" in out and "fused" in out:
         out["fused_vs_packed"] = out["fused"]["tok_per_s"] / out["packed"]["tok_per_s"]
         if "peak_allocated_gib" in out["fused"]:
@@ -205,7 +213,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="packed,padded,fused",
-        help="comma-separated: packed, padded, fused (the docstring says)",
+        help="comma-separated: packed, padded, fused, compiled (the docstring says)",
     )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)

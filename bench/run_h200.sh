@@ -26,6 +26,8 @@
 #   verl-wait  (no carry)              follows that verl run to its end (send it at once: the machine goes back
 #                                      30 s after a call); start-up alone took over 320 s on an H100
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
+#   compile    (no carry, ~6 min est.) model.compile_layers: bench_update's packed update eager and compiled at 0.5b
+#                                      (checkpointed), then flatrl alone end to end with --compile-layers
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
@@ -136,11 +138,15 @@ elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
     fi
     if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
     from=$WORK/json/e2e_defaults_$MODEL.json
+    model_args=()  # the real model: the smollm2 part converts it and keeps its flatrl + TRL JSON for these ratios
+    if [ "$MODEL" = smollm2 ]; then from=$WORK/json/e2e_smollm2.json; model_args=(--model-path /tmp/real/model); fi
+    [ "$MODEL" = smollm2 ] && [ ! -f /tmp/real/model/config.json ] && {
+      echo "== /tmp/real/model is missing: run the smollm2 part on this machine first"; exit 2; }
     # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
     # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
     [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
     rm -rf "$vdir" && mkdir -p "$vdir"
-    cmd=(python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers verl "${from_args[@]}"
+    cmd=(python3 bench/bench_e2e.py --model "$MODEL" "${model_args[@]}" --workdir "$WORK" --peers verl "${from_args[@]}"
       --verl-steps "${VERL_STEPS:-3}" --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$vdir/e2e_verl_$MODEL.json")
     echo "== e2e-verl-$MODEL (own session): ${cmd[*]}"
     setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$vdir" "${cmd[@]}" < /dev/null &
@@ -157,6 +163,11 @@ elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time 
     --checkpoint-layers auto --out "$OUT/e2e_auto.json"
   run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --async-steps 1 --engine-process --out "$OUT/e2e_async.json"
+elif [ "$part" = compile ]; then  # model.compile_layers: the update alone, eager and compiled, then end to end
+  run update-compiled python3 bench/bench_update.py --sizes 0.5b --modes packed,compiled --gradient-checkpointing \
+    --workdir "$WORK" --out "$OUT/update_compiled_0.5b.json"
+  run e2e-compiled python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --compile-layers --out "$OUT/e2e_compiled.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
   run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
@@ -186,9 +197,10 @@ elif [ "$part" = smollm2 ]; then
     --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
   run e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --peers trl --out "$OUT/e2e_smollm2.json"
+  keep e2e_smollm2.json
   run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|levers|levers2|fused|share|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|compile|levers|levers2|fused|share|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -82,15 +82,18 @@ def test_bench_push(tmp_path, work):
 
 @pytest.mark.slow
 def test_bench_update(tmp_path, work):
-    r = run_bench("bench_update.py", tmp_path, work)
+    r = run_bench("bench_update.py", tmp_path, work, "--modes", "packed,padded,fused,compiled")
     toy = r["sizes"]["toy"]
-    for mode in ("packed", "padded", "fused"):
+    for mode in ("packed", "padded", "fused", "compiled"):
         assert toy[mode]["tok_per_s"] > 0 and 0 < toy[mode]["mfu"] < 1 and toy[mode]["tokens"] > 0
     assert toy["packed"]["tokens"] == toy["padded"]["tokens"]  # the same samples, padding not counted
     assert toy["packed_vs_padded"] > 0 and toy["plan_update_gib"] > 0
     # the fused head (model.use_fused_kernels) runs the packed layout's micro-batches
     assert toy["fused"]["tokens"] == toy["packed"]["tokens"] and toy["fused_vs_packed"] > 0
     assert toy["fused"]["micro_batches"] == toy["packed"]["micro_batches"]
+    # model.compile_layers: the same packed micro-batches through the compiled layers
+    assert toy["compiled"]["tokens"] == toy["packed"]["tokens"] and toy["compiled_vs_packed"] > 0
+    assert toy["compiled"]["micro_batches"] == toy["packed"]["micro_batches"]
 
 
 @pytest.mark.slow
