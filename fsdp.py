@@ -372,18 +372,42 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def compile_layers(model: nn.Module) -> None:
+def compile_layers(model: nn.Module, backend: str | Callable[..., Any] | None = None) -> None:
     """torch.compile each decoder layer's forward in place (model.compile_layers), before fully_shard.
 
     Only `forward` is compiled, so the layer's `__call__` (FSDP2's all-gather hooks, transformers' activation
     checkpointing) runs as before around it, and the module tree and parameter names stay as they were (no
     `_orig_mod.` prefix in checkpoints or in the weight push). `dynamic=True` keeps one graph for every
     micro-batch length; every layer runs the same code, so they share it too. CUDA uses inductor (Triton
-    kernels); CPU aot_eager, which traces and checks the graphs without needing a C++ compiler.
+    kernels); CPU aot_eager, which traces and checks the graphs without needing a C++ compiler. If compiling
+    fails (no working Triton, an op dynamo cannot take), every layer runs eager from then on, with one line
+    saying why; any other error is raised as it is.
     """
-    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    backend = backend or ("inductor" if torch.cuda.is_available() else "aot_eager")
+    failed: list[Exception] = []  # shared by the layers: the first failure turns them all back to eager
+
+    def compiled_or_eager(eager: Callable[..., Any]) -> Callable[..., Any]:
+        compiled = torch.compile(eager, backend=backend, dynamic=True)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not failed:
+                try:
+                    return compiled(*args, **kwargs)
+                # dynamo's and its backends' failures only: the activation checkpoint's recomputation stops
+                # itself with an exception of its own, and a real error (out of memory) must stay raised
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    failed.append(e)
+                    why = " ".join(str(e).split())[:300]
+                    print0(
+                        f"model.compile_layers: compiling the decoder layers failed ({type(e).__name__}: {why}); "
+                        "they run eager from here on"
+                    )
+            return eager(*args, **kwargs)
+
+        return forward
+
     for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+        layer.forward = compiled_or_eager(layer.forward)
 
 
 def device_mesh(device_type: str, hsdp_shard_size: int = 0) -> DeviceMesh:

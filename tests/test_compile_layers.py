@@ -77,3 +77,30 @@ def test_compile_layers_refuses_ulysses():
         ValueError, match="model.compile_layers does not go with .*ulysses_sequence_parallel_size"
     ):
         actor.ModelConfig(compile_layers=True, fsdp_config=fsdp.FSDPConfig(ulysses_sequence_parallel_size=2))
+
+
+def test_a_failing_compiler_leaves_every_layer_eager_with_one_line(tiny_qwen2, one_rank, capsys):
+    """A backend that fails (no working Triton, say): the first layer's call says so once, and every layer then
+    runs eager, with eager's logprobs; the backend is not tried again."""
+    import fsdp
+
+    tries = []
+
+    def broken(gm, example_inputs):
+        tries.append(1)
+        raise RuntimeError("no triton here")
+
+    batch, labels = _packed([6, 3], 64, 0)
+    model, _ = actor.load(actor.ModelConfig(path=str(tiny_qwen2)), one_rank.device)
+    with torch.no_grad():
+        eager, _, _ = losses.forward_logprobs(model, batch, labels, with_raw=False)
+    torch._dynamo.reset()
+    fsdp.compile_layers(model, backend=broken)
+    with torch.no_grad():
+        for _ in range(2):
+            lp, _, _ = losses.forward_logprobs(model, batch, labels, with_raw=False)
+            assert torch.equal(lp, eager)
+    torch._dynamo.reset()
+    assert len(tries) == 1
+    lines = [x for x in capsys.readouterr().out.splitlines() if "model.compile_layers" in x]
+    assert len(lines) == 1 and "no triton here" in lines[0] and "run eager from here on" in lines[0], lines
