@@ -149,7 +149,9 @@ elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
     cmd=(python3 bench/bench_e2e.py --model "$MODEL" "${model_args[@]}" --workdir "$WORK" --peers verl "${from_args[@]}"
       --verl-steps "${VERL_STEPS:-3}" --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$vdir/e2e_verl_$MODEL.json")
     echo "== e2e-verl-$MODEL (own session): ${cmd[*]}"
-    setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$vdir" "${cmd[@]}" < /dev/null &
+    # every descriptor of its own away from this call's (the log's tee, the device's capture), so nothing waits on it
+    setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$vdir" "${cmd[@]}" \
+      < /dev/null > "$vdir/setsid.log" 2>&1 &
     echo $! > "$vdir/pid"
   fi
   [ -f "$vdir/pid" ] || { echo "== no verl bench was started on this machine: run the part verl first"; exit 2; }
