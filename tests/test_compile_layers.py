@@ -23,12 +23,18 @@ def _packed(lens: list[int], vocab: int, seed: int) -> tuple[dict, torch.Tensor]
 
 
 def _run(
-    path: str, device: torch.device, compiled: bool
+    path: str, device: torch.device, compiled: bool, lora_rank: int = 0
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Three packed micro-batches of different lengths through a checkpointed policy: their logprobs and
     the summed gradients."""
-    model, _ = actor.load(actor.ModelConfig(path=path, compile_layers=compiled), device)
+    torch.manual_seed(3)  # the same fresh LoRA adapters in both runs
+    cfg = actor.ModelConfig(path=path, compile_layers=compiled, lora_rank=lora_rank)
+    model, _ = actor.load(cfg, device)
     model.train()
+    with torch.no_grad():  # LoRA's B starts at zero, which would leave A without a gradient to compare
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)
     out = []
     for seed, lens in enumerate(([5, 9, 3], [7, 11], [4, 4, 4, 6])):
         batch, labels = _packed(lens, 64, seed)
@@ -39,10 +45,12 @@ def _run(
     return out, grads
 
 
-def test_compiled_layers_give_the_eager_logprobs_and_gradients(tmp_path, one_rank):
-    """Two layers, gradient checkpointing on (the default), three micro-batch lengths: logprobs and gradients
-    as eager to float rounding, the same parameter names, and the layers' forwards captured by dynamo in a
-    few graphs (dynamic shapes), not one per layer and length."""
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_compiled_layers_give_the_eager_logprobs_and_gradients(tmp_path, one_rank, lora_rank):
+    """Two layers, gradient checkpointing on (the default), three micro-batch lengths, full weights or LoRA
+    (whose linear is one autograd Function): logprobs and gradients as eager to float rounding, the same
+    parameter names, and the layers' forwards captured by dynamo in a few graphs (dynamic shapes), not one per
+    layer and length."""
     from torch._dynamo.utils import counters
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -52,15 +60,16 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(tmp_path, one_ran
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
     torch._dynamo.reset()
     counters.clear()
-    lp0, g0 = _run(str(tmp_path / "m"), one_rank.device, compiled=False)
+    lp0, g0 = _run(str(tmp_path / "m"), one_rank.device, False, lora_rank)
     assert counters["stats"]["calls_captured"] == 0
-    lp1, g1 = _run(str(tmp_path / "m"), one_rank.device, compiled=True)
+    lp1, g1 = _run(str(tmp_path / "m"), one_rank.device, True, lora_rank)
     captured, graphs = counters["stats"]["calls_captured"], counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert captured > 0 and 0 < graphs < 2 * 3, (captured, graphs)  # 2 layers x 3 lengths would be 6
     for a, b in zip(lp0, lp1, strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-    assert g0.keys() == g1.keys() and len(g0) == len(list(Qwen2ForCausalLM(cfg).parameters()))
+    trained = len(list(Qwen2ForCausalLM(cfg).parameters())) if lora_rank == 0 else 2 * 7 * 2  # A, B x 7 x 2
+    assert g0.keys() == g1.keys() and len(g0) == trained, sorted(g0)
     for name in g0:
         assert g0[name].abs().sum() > 0, name
         assert torch.allclose(g0[name], g1[name], atol=1e-5, rtol=1e-4), (
