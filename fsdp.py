@@ -377,8 +377,8 @@ def compile_layers(model: nn.Module, backend: str | Callable[..., Any] | None = 
 
     Only `forward` is compiled, so the layer's `__call__` (FSDP2's all-gather hooks, transformers' activation
     checkpointing) runs as before around it, and the module tree and parameter names stay as they were (no
-    `_orig_mod.` prefix in checkpoints or in the weight push). `dynamic=True` keeps one graph for every
-    micro-batch length; every layer runs the same code, so they share it too. CUDA uses inductor (Triton
+    `_orig_mod.` prefix in checkpoints or in the weight push). `dynamic=True` lets every micro-batch
+    length share the compiled graphs, and every layer runs the same code, so the layers share them too. CUDA uses inductor (Triton
     kernels); CPU aot_eager, which traces and checks the graphs without needing a C++ compiler. If compiling
     fails (no working Triton, an op dynamo cannot take), every layer runs eager from then on, with one line
     saying why; any other error is raised as it is.
