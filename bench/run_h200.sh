@@ -63,7 +63,8 @@ fi
 python3 -c "import tyro" || { echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh) with this call"; exit 3; }
 
 MODEL=${MODEL:-0.5b}
-# The flatrl-only parts (levers, levers2, share) take TRL's figures from the defaults part on this machine, for ratios.
+# The flatrl-only parts (levers, compile, levers2, fused, share, async) take TRL's figures from the defaults part
+# on this machine, for ratios.
 peers_from=()
 [ -f "$WORK/json/e2e_defaults_0.5b.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_0.5b.json")
 keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
