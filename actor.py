@@ -110,9 +110,15 @@ class ModelConfig:
 class PolicyLossConfig:
     """Which surrogate the policy objective uses (verl's actor.policy_loss)."""
 
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
-    """vanilla: PPO-clip per token; gspo: a sequence-level importance ratio (GSPO, arXiv:2507.18071; grpo.py
-    only, with the mini-batch aggregated seq-mean-token-mean and verl's suggested clip ratios 3e-4 / 4e-4)."""
+    loss_mode: Literal["vanilla", "gspo", "geo_mean", "gpg", "cispo", "sapo"] = "vanilla"
+    """vanilla: PPO-clip per token. The others are grpo.py's only (its `surrogate` holds each formula):
+    gspo: a sequence-level importance ratio (GSPO, arXiv:2507.18071; verl suggests clip ratios 3e-4 / 4e-4);
+    geo_mean: the geometric mean of the clipped token ratios (GMPO, arXiv:2507.20673; verl's example clips at
+    0.4 / 0.4); gpg: the plain policy gradient -A log pi, no ratio (GPG, arXiv:2504.02546; pair with
+    algorithm.adv_estimator=gpg); cispo: -sg(clip(ratio)) A log pi (CISPO, arXiv:2506.13585; verl's example
+    clip_ratio_low 10, i.e. no lower bound, clip_ratio_high 0.2); sapo: a sigmoid gate of the ratio instead of a
+    clip (SAPO, arXiv:2511.20347; actor.tau_pos / tau_neg). gspo, geo_mean and sapo weigh every sequence the same
+    (seq-mean-token-mean, as verl) whatever actor.loss_agg_mode says; the KL and entropy terms follow it."""
 
 
 @dataclass(frozen=True)
@@ -136,9 +142,11 @@ class ActorConfig:
     separate old-logprob pass runs. Off: always the full pass. ppo.py keeps the full pass when the KL is in the
     reward (it needs them before the advantages) and in the critic's warm-up steps (no actor update)."""
     clip_ratio_low: Annotated[float, config.NON_NEGATIVE] = 0.2
-    """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
+    """PPO clip: the ratio is kept above 1 - clip_ratio_low (1 or more: no lower bound, as verl's CISPO example's
+    10)."""
     clip_ratio_high: Annotated[float, config.NON_NEGATIVE] = 0.2
-    """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low)."""
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (DAPO's clip-higher when > clip_ratio_low).
+    policy_loss.loss_mode=geo_mean bounds the log-ratio to [-clip_ratio_low, clip_ratio_high] instead."""
     clip_ratio_c: Annotated[float, config.Range(1, low_open=True)] = 3.0
     """Dual-clip bound for negative advantages (arXiv:1912.09729); must be > 1."""
     loss_agg_mode: Literal[
@@ -152,7 +160,13 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3); a '+' suffix takes k2's gradient."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """The surrogate: PPO-clip (vanilla) or GSPO."""
+    """The surrogate: PPO-clip (vanilla), GSPO, GMPO, GPG, CISPO or SAPO (grpo.py)."""
+    tau_pos: Annotated[float, config.POSITIVE] = 1.0
+    """SAPO's gate temperature for tokens of positive advantage (policy_loss.loss_mode=sapo; verl's default, the
+    paper's value): the gate sigmoid(tau (ratio - 1)) 4 / tau falls off faster off policy as tau grows."""
+    tau_neg: Annotated[float, config.POSITIVE] = 1.05
+    """SAPO's gate temperature for tokens of zero or negative advantage (verl's default; the paper keeps it above
+    tau_pos: negative updates spread over many unsampled tokens and are damped faster)."""
     entropy_coeff: Annotated[float, config.NON_NEGATIVE] = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
     grad_clip: Annotated[float, config.POSITIVE] = 1.0

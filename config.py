@@ -25,6 +25,7 @@ unquoted command-line value (`Unquoted`) is read by the field's type: `experimen
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import types
@@ -378,14 +379,39 @@ def load_yaml(path: str) -> dict:
 
 
 def _yaml_files(opts: argparse.Namespace) -> list[str]:
-    """Hydra's primary config (--config-path DIR --config-name NAME, relative to the working directory), then
-    each --config file in order."""
+    """Hydra's primary config (--config-path DIR --config-name NAME), then each --config file in order.
+
+    A relative DIR is taken from the working directory; where the file is not there, from verl's trainer folder
+    when verl is installed, as Hydra reads verl's `--config-path=config` (relative to verl/trainer/main_ppo.py),
+    so verl's own trainer configs load by name. The package is located, never imported."""
     files = list(opts.config)
     if opts.config_name is not None:
         name = (
             opts.config_name if opts.config_name.endswith((".yaml", ".yml")) else opts.config_name + ".yaml"
         )
-        files.insert(0, str(Path(opts.config_path or ".") / name))
+        if "megatron" in Path(name).stem:
+            raise ConfigError(
+                f"--config-name {opts.config_name}: flatrl shards with FSDP2 only, so verl's Megatron trainer "
+                "configs do not apply; use --config-name ppo_trainer (verl's FSDP config) or drop the option"
+            )
+        path = Path(opts.config_path or ".") / name
+        if not path.is_file() and not path.is_absolute():
+            spec = importlib.util.find_spec("verl")
+            verl_dir = Path(spec.submodule_search_locations[0]) / "trainer" if spec and spec.origin else None
+            if verl_dir is not None and (verl_dir / path).is_file():
+                path = verl_dir / path
+            else:
+                where = (
+                    f", nor in verl's {verl_dir}"
+                    if verl_dir
+                    else " (verl's examples mean verl/trainer/config of an installed verl)"
+                )
+                raise ConfigError(
+                    f"--config-path {opts.config_path or '.'} --config-name {opts.config_name}: {path} is not in "
+                    f"the working directory{where}; pass the folder that holds it, or drop both options (flatrl's "
+                    "defaults follow verl's)"
+                )
+        files.insert(0, str(path))
     elif opts.config_path is not None:
         raise ConfigError("--config-path needs --config-name (the YAML file in that folder)")
     return files

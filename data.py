@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -146,9 +146,13 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Ro
     return rows
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, template_kwargs: Mapping | None = None
+) -> str:
+    """The chat template's text; `template_kwargs` reach the template (verl's data.apply_chat_template_kwargs,
+    such as Qwen3's enable_thinking)."""
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
 
 
@@ -171,8 +175,11 @@ def _check_messages(row: Row, key: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
-def conversation_tokens(tokenizer, messages: list[dict], row: Row, key: str) -> tuple[list[int], list[int]]:
-    """Token ids and target mask of a chat, rendered turn by turn with the tokenizer's chat template.
+def conversation_tokens(
+    tokenizer, messages: list[dict], row: Row, key: str, template_kwargs: Mapping | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids and target mask of a chat, rendered turn by turn with the tokenizer's chat template (and
+    `template_kwargs`).
 
     Targets (1): each assistant turn's tokens up to and including the last eos in its segment (the whole
     segment if it has no eos). Everything else is context (0); context after the last target is dropped.
@@ -183,8 +190,8 @@ def conversation_tokens(tokenizer, messages: list[dict], row: Row, key: str) -> 
     mask: list[int] = []
     prev = ""
     for i, m in enumerate(messages):
-        text = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        head = _render(tokenizer, messages[:i], True) if m["role"] == "assistant" else text
+        text = _render(tokenizer, messages[: i + 1], False, template_kwargs)
+        head = _render(tokenizer, messages[:i], True, template_kwargs) if m["role"] == "assistant" else text
         if not (head.startswith(prev) and text.startswith(head)):
             raise BadRow(
                 row, key, "template_not_prefix", f"rendering turns 0..{i} does not extend 0..{i - 1}"
@@ -223,6 +230,7 @@ class SFTDataset(_Examples):
             is prompt + response + eos. Chat rows need the template.
         max_length: tokens per example after truncation.
         truncation: "right" cuts the end, "left" the beginning, "error" rejects an overlong row.
+        chat_template_kwargs: passed to the chat template (verl's data.apply_chat_template_kwargs).
         skip_bad_rows: skip and count unusable rows (missing key, empty or non-string prompt or response, bad
             messages, too long under truncation="error") instead of raising.
     Attributes:
@@ -243,6 +251,7 @@ class SFTDataset(_Examples):
         max_length: int = 1024,
         truncation: Literal["left", "right", "error"] = "error",
         skip_bad_rows: bool = False,
+        chat_template_kwargs: Mapping | None = None,
     ):
         if truncation not in ("left", "right", "error"):
             raise ValueError(f"truncation must be 'left', 'right' or 'error', got {truncation!r}")
@@ -253,6 +262,7 @@ class SFTDataset(_Examples):
         # Any id works for padding (attention and loss masks exclude it); eos when the tokenizer has no pad.
         self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         self.messages_key, self.apply_chat_template = messages_key, apply_chat_template
+        self.template_kwargs = dict(chat_template_kwargs or {})
         self.max_length, self.truncation = max_length, truncation
         self.skipped: dict[str, int] = {}
         self.truncated = 0
@@ -288,7 +298,9 @@ class SFTDataset(_Examples):
             key = self.messages_key
             if not self.apply_chat_template:
                 raise ValueError(f"{row.origin}: chat rows ({key!r}) need apply_chat_template=True")
-            ids, mask = conversation_tokens(self.tok, _check_messages(row, key), row, key)
+            ids, mask = conversation_tokens(
+                self.tok, _check_messages(row, key), row, key, self.template_kwargs
+            )
         else:
             prompt, prompt_name = self._string(row, self.prompt_key, self.prompt_path)
             response, key = self._string(row, self.response_key, self.response_path)
@@ -298,7 +310,7 @@ class SFTDataset(_Examples):
                 raise BadRow(row, key, "empty_response", f"response is {response!r}")
             if self.apply_chat_template:
                 chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-                ids, mask = conversation_tokens(self.tok, chat, row, key)
+                ids, mask = conversation_tokens(self.tok, chat, row, key, self.template_kwargs)
             else:
                 p, r = _encode(self.tok, prompt), _encode(self.tok, response) + [self.tok.eos_token_id]
                 ids, mask = p + r, [0] * len(p) + [1] * len(r)
@@ -326,6 +338,7 @@ class RLDataset(_Examples):
         skip_bad_rows: skip and count unusable rows instead of raising (see `skipped`).
         custom_reward: a custom reward function scores the responses (custom_reward_function.path): rows may
             lack data_source and reward_model.ground_truth, and their examples carry None for them.
+        chat_template_kwargs: passed to the chat template (verl's data.apply_chat_template_kwargs).
     Attributes:
         examples: [{"prompt_ids", "raw_prompt", "data_source", "ground_truth", "extra_info", "origin"}].
         dropped_overlong: prompts dropped for length; truncated: prompts cut to it.
@@ -346,6 +359,7 @@ class RLDataset(_Examples):
         skip_bad_rows: bool = False,
         custom_reward: bool = False,
         truncation: Literal["error", "left", "right", "middle"] = "error",
+        chat_template_kwargs: Mapping | None = None,
     ):
         if truncation not in ("error", "left", "right", "middle"):
             raise ValueError(f"truncation must be 'error', 'left', 'right' or 'middle', got {truncation!r}")
@@ -353,6 +367,7 @@ class RLDataset(_Examples):
         self.truncation, self.truncated = truncation, 0
         self.custom_reward = custom_reward
         self.apply_chat_template, self.filter_overlong_prompts = apply_chat_template, filter_overlong_prompts
+        self.template_kwargs = dict(chat_template_kwargs or {})
         self.dropped_overlong = 0
         self.skipped: dict[str, int] = {}
         self.examples = []
@@ -397,7 +412,7 @@ class RLDataset(_Examples):
                 "missing_key",
                 "rewards dispatch on it (or give custom_reward_function.path)",
             )
-        raw = _render(self.tok, chat, add_generation_prompt=True) if self.apply_chat_template else prompt
+        raw = _render(self.tok, chat, True, self.template_kwargs) if self.apply_chat_template else prompt
         ids = _encode(self.tok, raw)
         L = self.max_prompt_length
         if len(ids) > L:
@@ -435,15 +450,21 @@ class EpochSampler:
     """Global batches of dataset indices, one seeded permutation per epoch, resumable.
 
     Epoch e's order is torch.randperm(n) under torch.Generator().manual_seed(seed + e): independent of the
-    global RNG and of the world size. `for batch in sampler` yields the rest of the current epoch and leaves
+    global RNG and of the world size; with shuffle=False it is the rows' own order, 0..n-1, every epoch. `for batch in sampler` yields the rest of the current epoch and leaves
     the sampler at the next one; the state advances as each batch is handed out, so state_dict() after k
     batches resumes with batch k.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, drop_last: bool = True):
+    def __init__(self, n: int, batch_size: int, seed: int, drop_last: bool = True, shuffle: bool = True):
         if batch_size < 1 or n < (batch_size if drop_last else 1):
             raise ValueError(f"cannot draw batches of {batch_size} from {n} examples (drop_last={drop_last})")
-        self.n, self.batch_size, self.seed, self.drop_last = n, batch_size, seed, drop_last
+        self.n, self.batch_size, self.seed, self.drop_last, self.shuffle = (
+            n,
+            batch_size,
+            seed,
+            drop_last,
+            shuffle,
+        )
         self.epoch, self.batch = 0, 0
 
     @property
@@ -452,7 +473,10 @@ class EpochSampler:
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """All batches of one epoch, in order."""
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        if self.shuffle:
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            perm = list(range(self.n))
         return [perm[i * self.batch_size : (i + 1) * self.batch_size] for i in range(self.steps_per_epoch)]
 
     def __iter__(self) -> Iterator[list[int]]:

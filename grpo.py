@@ -27,9 +27,19 @@ Estimators (`algorithm.adv_estimator`), per prompt group of n scores s_i:
                          actor.loss_agg_mode=seq-mean-token-sum-norm)
     rloo                 s_i - mean of the others           arXiv:2402.14740
     reinforce_plus_plus  s_i whitened over the whole batch  arXiv:2501.03262 (outcome reward, gamma = 1)
+    gpg                  alpha (s_i - mean), alpha = B / #(s != 0) over the batch   arXiv:2504.02546
 
-The objective is `policy_loss`, and nothing else in the repo owns it: `actor.policy_loss.loss_mode=gspo` swaps in
-GSPO's sequence-level ratio (`gspo_surrogate`), written here alone; a CISPO or DAPO fork edits these functions.
+The objective is `policy_loss`, and nothing else in the repo owns it. `actor.policy_loss.loss_mode` picks the
+per-token surrogate l (`surrogate`; r = pi / pi_old per token, A the advantage, sg a stop-gradient), each as verl's
+compute_policy_loss_<mode>:
+    vanilla   max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual clip   PPO / DAPO
+    gspo      the same with the sequence's geometric-mean ratio             arXiv:2507.18071  (per sequence)
+    geo_mean  -A exp(mean_t clip(log r_t)), one value a sequence            arXiv:2507.20673  (per sequence)
+    gpg       -A log pi                                                     arXiv:2504.02546
+    cispo     -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi              arXiv:2506.13585
+    sapo      -A sigmoid(tau (r - 1)) 4 / tau                               arXiv:2511.20347  (per sequence)
+"per sequence": aggregated seq-mean-token-mean whatever actor.loss_agg_mode says, as verl does. A DAPO-style
+fork edits these functions.
 
 Where it deviates from verl's ray_trainer + dp_actor:
 1. No Ray: one process per GPU under torchrun, each with its own engine (verl's colocated "hybrid engine").
@@ -81,7 +91,7 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     """Advantage estimation."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gpg"] = "grpo"
     """Estimator; see the module docstring."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; False is Dr. GRPO."""
@@ -151,6 +161,19 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return adv
 
 
+def gpg_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, total: tuple[float, float] | None = None
+) -> torch.Tensor:
+    """GPG outcome advantages (verl compute_gpg_outcome_advantage, f_norm 1; arXiv:2504.02546): alpha (s_i - the
+    group's mean), no division by the std, alpha = B / (the responses whose score is not 0), so a batch with few
+    rewarded responses is scaled up. [B], [B] -> [B]; a group of one gets 0 (as group_advantages).
+
+    total: (B, the nonzero scores) over the whole batch on all ranks; None: this batch alone.
+    """
+    n, nonzero = (float(len(scores)), float((scores != 0).sum())) if total is None else total
+    return n / max(nonzero, 1.0) * group_advantages(scores, group_ids, norm_by_std=False)
+
+
 def whiten_by_tokens(
     scores: torch.Tensor, lengths: torch.Tensor, total: tuple[float, float, float] | None = None
 ) -> torch.Tensor:
@@ -178,6 +201,9 @@ def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> Non
         adv = group_advantages(scores, groups, norm_by_std=cfg.norm_adv_by_std_in_grpo)
     elif cfg.adv_estimator == "rloo":
         adv = rloo_advantages(scores, groups)
+    elif cfg.adv_estimator == "gpg":
+        counts = (float(len(scores)), float((scores != 0).sum()))
+        adv = gpg_advantages(scores, groups, tuple(fsdp.all_reduce(x) for x in counts))
     else:
         lengths = torch.tensor([len(s.response_ids) for s in samples]).double()  # [B]
         sums = (lengths.sum(), (lengths * scores).sum(), (lengths * scores**2).sum())
@@ -221,11 +247,92 @@ def gspo_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def geo_mean_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: actor.ActorConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GMPO (arXiv:2507.20673, as verl's compute_policy_loss_geo_mean): one ratio a sequence, the geometric mean of
+    its tokens' ratios, each clipped in log space on the side its advantage's sign makes pessimistic:
+        c_t = sign(A) min(sign(A) log r_t, sign(A) clip(log r_t, -clip_ratio_low, clip_ratio_high))
+        l = -mean_t(A) exp(mean_t c_t)   (the log-ratio unclamped, as verl)
+    l is written on every token of its sequence, so seq-mean-token-mean gives verl's mean over sequences. All
+    [S, R]; returns (l, tokens out of the clip range with A > 0, with A < 0: verl's two clip fractions)."""
+    log_ratio = logprobs - old_logprobs  # [S, R]
+    bounded = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+    sign = torch.sign(advantages)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)  # [S, R]
+    n = mask.sum(-1).clamp(min=1)  # [S]
+    seq_ratio = torch.exp((clipped_log_ratio * mask).sum(-1) / n)  # [S]
+    seq_adv = (advantages * mask).sum(-1) / n  # [S]; one number a sequence here (outcome advantages)
+    loss = (-seq_adv * seq_ratio)[:, None].expand_as(log_ratio)  # [S, R]
+    outside = log_ratio != bounded
+    return loss, outside & (advantages > 0), outside & (advantages < 0)
+
+
+def cispo_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: actor.ActorConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, as verl's compute_policy_loss_cispo): REINFORCE with a clipped,
+    stop-gradient importance weight, so a clipped token still has a gradient (PPO-clip's has none):
+        l = -sg(clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) A log pi,  r = exp(clamp(log r, -20, 20))
+    All [S, R]; returns (l, where the clip changed the weight)."""
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))  # [S, R]
+    weight = torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    return -weight.detach() * advantages * logprobs, ratio != weight
+
+
+def sapo_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: actor.ActorConfig
+) -> torch.Tensor:
+    """SAPO (arXiv:2511.20347, as verl's compute_policy_loss_sapo): a soft gate in place of the clip,
+        l = -A f(r),  f(r) = sigmoid(tau (r - 1)) 4 / tau,  tau = tau_pos if A > 0 else tau_neg
+    with r = exp(clamp(log r, -20, 20)). df/dr = 1 at r = 1 (the plain policy gradient on policy), decaying as
+    r leaves 1, faster for larger tau. All [S, R]."""
+    ratio = torch.exp(torch.clamp(logprobs - old_logprobs, -20.0, 20.0))  # [S, R]
+    tau = torch.where(advantages > 0, cfg.tau_pos, cfg.tau_neg)  # [S, R]
+    return -advantages * torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+
+
+PER_SEQUENCE = ("gspo", "geo_mean", "sapo")
+"""Loss modes whose surrogate verl aggregates seq-mean-token-mean whatever actor.loss_agg_mode says."""
+
+
+def surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: actor.ActorConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token policy loss of actor.policy_loss.loss_mode (the table in the module docstring), and the two
+    token masks logged as actor/pg_clipfrac and actor/pg_clipfrac_lower (what verl's function of that name
+    reports: vanilla the clip and the dual clip; geo_mean the clip by the advantage's sign; gspo and cispo the
+    clip and nothing; gpg and sapo nothing). All [S, R]."""
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    mode = cfg.policy_loss.loss_mode
+    if mode == "gspo":
+        return *gspo_surrogate(logprobs, old_logprobs, advantages, mask, cfg), none
+    if mode == "geo_mean":
+        return geo_mean_surrogate(logprobs, old_logprobs, advantages, mask, cfg)
+    if mode == "gpg":  # GPG (arXiv:2504.02546, verl's compute_policy_loss_gpg): no ratio, no clip
+        return -advantages * logprobs, none, none
+    if mode == "cispo":
+        return *cispo_surrogate(logprobs, old_logprobs, advantages, cfg), none
+    if mode == "sapo":
+        return sapo_surrogate(logprobs, old_logprobs, advantages, cfg), none, none
+    return clipped_surrogate(logprobs, old_logprobs, advantages, cfg)
+
+
 def policy_loss(
     model: torch.nn.Module, mb: actor.MicroBatch, cfg: GRPOConfig, check: actor.PushCheck | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO's objective on one micro-batch (an actor.LossFn): PPO-clip (or GSPO) + kl_loss_coef * KL(policy ||
-    reference) - entropy_coeff * entropy, each aggregated by actor.loss_agg_mode over the whole mini-batch."""
+    """GRPO's objective on one micro-batch (an actor.LossFn): the surrogate (PPO-clip unless
+    actor.policy_loss.loss_mode says otherwise) + kl_loss_coef * KL(policy || reference) - entropy_coeff * entropy,
+    each aggregated by actor.loss_agg_mode over the whole mini-batch (the surrogate of a PER_SEQUENCE mode
+    seq-mean-token-mean)."""
     a, temperature = cfg.actor, cfg.rollout.temperature
     logprobs, entropy = actor.forward(model, mb, temperature, a.entropy_coeff != 0, check)  # [S, R]
     old = mb.per_token("old_logprobs")
@@ -236,11 +343,7 @@ def policy_loss(
     )
     agg = lambda x, mode=a.loss_agg_mode: losses.agg_loss(x, mb.mask, mode, **norm)  # noqa: E731
     metrics = {}
-    if a.policy_loss.loss_mode == "gspo":  # a sequence-level objective: every sequence weighs the same (verl)
-        pg, clipped = gspo_surrogate(logprobs, old, adv, mb.mask, a)
-        dual = torch.zeros_like(clipped)
-    else:
-        pg, clipped, dual = clipped_surrogate(logprobs, old, adv, a)
+    pg, clipped, clipped_lower = surrogate(logprobs, old, adv, mb.mask, a)
     if cfg.algorithm.rollout_is_threshold is not None:  # the trainer's and the engine's numbers differ (TIS)
         log_w = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
         w = torch.exp(torch.clamp(log_w, max=math.log(cfg.algorithm.rollout_is_threshold)))
@@ -249,12 +352,16 @@ def policy_loss(
         metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
         metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
         if cfg.algorithm.rollout_is:
+            if a.policy_loss.loss_mode == "geo_mean":  # a sequence's weight: its tokens' geometric mean
+                n = mb.mask.sum(-1, keepdim=True).clamp(min=1)  # [S, 1]
+                w = torch.exp((torch.log(w) * mb.mask).sum(-1, keepdim=True) / n)
             pg = pg * w.detach()
-    loss = pg_loss = agg(pg, "seq-mean-token-mean") if a.policy_loss.loss_mode == "gspo" else agg(pg)
+    per_sequence = a.policy_loss.loss_mode in PER_SEQUENCE  # every sequence weighs the same (verl)
+    loss = pg_loss = agg(pg, "seq-mean-token-mean") if per_sequence else agg(pg)
     metrics |= {
         "actor/pg_loss": pg_loss.detach(),
         "actor/pg_clipfrac": mb.token_mean(clipped.float()),
-        "actor/pg_clipfrac_lower": mb.token_mean(dual.float()),
+        "actor/pg_clipfrac_lower": mb.token_mean(clipped_lower.float()),
         "actor/ppo_kl": mb.token_mean(old - logprobs),
     }
     if a.use_kl_loss:
@@ -339,6 +446,13 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             "error: algorithm.rollout_is_threshold needs the engine's logprobs of every sample at temperature 1: "
             f"set rollout.logprob_check_prompts=-1 (now {cfg.rollout.logprob_check_prompts}) and "
             f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
+        )
+    a = cfg.actor
+    if a.policy_loss.loss_mode in PER_SEQUENCE and a.loss_agg_mode != "seq-mean-token-mean":
+        fsdp.print0(
+            f"note: actor.loss_agg_mode={a.loss_agg_mode} applies to the KL and entropy terms only: "
+            f"actor.policy_loss.loss_mode={a.policy_loss.loss_mode} averages its policy term per sequence "
+            "(seq-mean-token-mean), as verl does"
         )
     fg = cfg.algorithm.filter_groups
     if fg.enable and cfg.rollout.async_steps:

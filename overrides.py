@@ -592,7 +592,8 @@ def _settle(writes: list[_Write], out: Result) -> dict[str, Any]:
 
 
 def _pairs(entries: dict[str, tuple[Any, str]], out: Result, printing: bool) -> None:
-    """Takes out and reads the keys that go together: the world size, and verl's resume_path mode."""
+    """Takes out and reads the keys that go together: the world size, verl's resume_path mode, and verl 0.7's
+    rollout_correction.rollout_is (with its threshold, whose default 2.0 is verl's)."""
     nodes = entries.pop("trainer.nnodes", None)
     gpus = entries.pop("trainer.n_gpus_per_node", None)
     if nodes is not None or gpus is not None:
@@ -620,6 +621,7 @@ def _pairs(entries: dict[str, tuple[Any, str]], out: Result, printing: bool) -> 
             if not printing:
                 raise ValueError(msg)
             out.note(f"note: {msg}")
+    _rollout_correction(entries, out)
     mode = entries.get("trainer.resume_mode")
     path = entries.pop("trainer.resume_from_path", None)
     if mode is not None and plain(mode[0]) == "resume_path":
@@ -630,4 +632,35 @@ def _pairs(entries: dict[str, tuple[Any, str]], out: Result, printing: bool) -> 
     elif path is not None:
         out.note(
             f"ignored: trainer.resume_from_path={_text(path[0])} (read only with trainer.resume_mode=resume_path)"
+        )
+
+
+def _rollout_correction(entries: dict[str, tuple[Any, str]], out: Result) -> None:
+    """verl 0.7+'s algorithm.rollout_correction.rollout_is=token (truncated IS, TIS) becomes verl 0.6's
+    algorithm.rollout_is + rollout_is_threshold, which each script's table then honours (grpo.py) or refuses
+    (ppo.py); the threshold alone, set in every verl trainer config, is read only with rollout_is."""
+    level = entries.pop("algorithm.rollout_correction.rollout_is", None)
+    threshold = entries.pop("algorithm.rollout_correction.rollout_is_threshold", None)
+    if level is None or plain(level[0]) is None:
+        if threshold is not None:
+            out.note(
+                f"ignored: algorithm.rollout_correction.rollout_is_threshold={_text(threshold[0])} (read only "
+                "with algorithm.rollout_correction.rollout_is)"
+            )
+        return
+    if plain(level[0]) != "token":
+        raise ValueError(
+            f"{level[1]}: algorithm.rollout_correction.rollout_is={_text(level[0])} cannot be honoured: flatrl "
+            "weighs each token (token, truncated as TIS); sequence-level weights are not implemented"
+        )
+    entries["algorithm.rollout_is"] = (True, level[1])
+    entries["algorithm.rollout_is_threshold"] = threshold or (2.0, level[1])
+    out.note(
+        "mapped: algorithm.rollout_correction.rollout_is=token, rollout_is_threshold -> algorithm.rollout_is, "
+        "algorithm.rollout_is_threshold" + ("" if threshold else " (2.0, verl's default)")
+    )
+    if "rollout.logprob_check_prompts" not in entries:  # the weights need every sample's engine logprobs
+        entries["rollout.logprob_check_prompts"] = (-1, level[1])
+        out.note(
+            "set: rollout.logprob_check_prompts=-1 (the importance weights need every sample's engine logprobs)"
         )

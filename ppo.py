@@ -353,8 +353,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         )
     if cfg.actor.policy_loss.loss_mode != "vanilla":
         raise SystemExit(
-            f"error: actor.policy_loss.loss_mode={cfg.actor.policy_loss.loss_mode} is grpo.py's; ppo.py's "
-            "objective is PPO-clip (vanilla)"
+            f"error: actor.policy_loss.loss_mode={cfg.actor.policy_loss.loss_mode} is grpo.py's (gspo, geo_mean, "
+            "gpg, cispo, sapo); ppo.py's objective is PPO-clip (vanilla)"
         )
     run = rl.start(cfg)
     cfg = run.cfg  # model paths as loaded (rl.hf_model_paths)

@@ -68,6 +68,9 @@ class RLDataConfig:
     """Prompts per step, over all ranks (each gets rollout.n responses)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the chat template, as verl's: `+data.apply_chat_template_kwargs.enable_thinking=false`
+    (Qwen3), `reasoning_effort=medium` (gpt-oss). A name the template does not read changes nothing."""
     filter_overlong_prompts: bool = True
     """Drop prompts over max_prompt_length (counted) instead of cutting them (truncation)."""
     truncation: Literal["error", "left", "right", "middle"] = "error"
@@ -75,8 +78,11 @@ class RLDataConfig:
     row; left keeps its last tokens, right its first, middle both ends (verl's data.truncation)."""
     skip_bad_rows: bool = False
     """Skip (and count) rows with a missing key or an empty or malformed prompt, instead of stopping."""
+    shuffle: bool = True
+    """A seeded permutation of the prompts every epoch (data.seed); False: the files' row order, every epoch
+    (verl's data.shuffle=False, as its LoRA and NPU examples set)."""
     seed: int = 1
-    """Seed of the prompt order."""
+    """Seed of the prompt order (with shuffle)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,7 @@ def start(cfg: Any) -> Run:
         skip_bad_rows=cfg.data.skip_bad_rows,
         custom_reward=cfg.custom_reward_function.path is not None,  # data_source, ground_truth optional then
         truncation=cfg.data.truncation,
+        chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
     )
     if cfg.data.truncation != "error" and cfg.data.filter_overlong_prompts:
         fsdp.print0(
@@ -206,7 +213,9 @@ def start(cfg: Any) -> Run:
             raise ValueError(
                 f"data.train_batch_size={cfg.data.train_batch_size} must divide by {d.world_size} ranks"
             )
-        sampler = data.EpochSampler(len(train), cfg.data.train_batch_size, seed=cfg.data.seed)
+        sampler = data.EpochSampler(
+            len(train), cfg.data.train_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
         total_steps = cfg.trainer.total_training_steps
         if total_steps is None:
             total_steps = cfg.trainer.total_epochs * sampler.steps_per_epoch

@@ -74,6 +74,8 @@ class SFTDataConfig:
     """Column holding multi-turn chat messages; used when present instead of prompt/response (loss on assistant turns)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (prompt as one user turn)."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the chat template, as verl's (`+data.apply_chat_template_kwargs.enable_thinking=false`)."""
     max_length: Annotated[int, config.AT_LEAST_ONE] = 1024
     """Longest sequence in tokens (prompt + response)."""
     truncation: Literal["left", "right", "error"] = "error"
@@ -304,6 +306,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         max_length=cfg.data.max_length,
         truncation=cfg.data.truncation,
         skip_bad_rows=cfg.data.skip_bad_rows,
+        chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
     )
     train_ds = data.SFTDataset(cfg.data.train_files, **ds_kwargs)
     val_ds = data.SFTDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None

@@ -251,13 +251,18 @@ RL_ACTOR: dict[str, Rule] = {
     "clip_ratio": Map(
         weak=("actor.clip_ratio_low", "actor.clip_ratio_high"), why="both, unless given themselves"
     ),
-    "tau_pos": Ignore("read only by policy_loss.loss_mode=sapo"),
-    "tau_neg": Ignore("read only by policy_loss.loss_mode=sapo"),
+    "tau_pos": Map(
+        "actor.tau_pos", why="SAPO's gate temperatures, read by grpo.py's policy_loss.loss_mode=sapo"
+    ),
+    "tau_neg": Map(
+        "actor.tau_neg", why="SAPO's gate temperatures, read by grpo.py's policy_loss.loss_mode=sapo"
+    ),
     "freeze_vision_tower": Ignore("text-only models"),
     "policy_loss.loss_mode": Only(
-        ("vanilla",), "ppo.py's policy loss is PPO-clip with dual clip (gspo: grpo.py)"
+        ("vanilla",),
+        "ppo.py's policy loss is PPO-clip with dual clip (gspo, geo_mean, gpg, cispo and sapo: grpo.py)",
     ),
-    "policy_loss.*": Ignore("parameters of the other loss modes"),
+    "policy_loss.*": Ignore("parameters of clip_cov and kl_cov, loss modes flatrl does not run"),
     "loss_scale_factor": Only((None,), "the loss is normalised as actor.loss_agg_mode says"),
     "calculate_entropy": Ignore("the entropy is always logged (actor/entropy)"),
     "use_prefix_grouper": Ignore(SPEED),
@@ -303,7 +308,8 @@ RL_ROLLOUT: dict[str, Rule] = {
     "max_model_len": Ignore("the engine's length is data.max_prompt_length + data.max_response_length"),
     "logprobs_mode": Ignore("the engine's logprobs only check the weight push; the trainer recomputes them"),
     "calculate_log_probs": Ignore(
-        "the engine's logprobs only check the weight push; the trainer recomputes them"
+        "the engine's logprobs check the weight push, for rollout.logprob_check_prompts prompts a call (every "
+        "prompt with rollout importance sampling); the trainer recomputes them"
     ),
     "scheduling_policy": Ignore(SPEED),
     "load_format": Ignore("the engine loads model.path, then takes the trainer's weights every step"),
@@ -347,7 +353,7 @@ RL_ROLLOUT: dict[str, Rule] = {
 }
 
 # data.*: train_files, val_files, prompt_key, max_prompt_length, max_response_length, train_batch_size,
-# filter_overlong_prompts and seed are flatrl's names.
+# filter_overlong_prompts, shuffle and seed are flatrl's names.
 RL_DATA: dict[str, Rule] = {
     "tokenizer": Only((None,), "the tokenizer is model.path's"),
     "use_shm": Ignore(SHM),
@@ -359,7 +365,6 @@ RL_DATA: dict[str, Rule] = {
     "return_raw_input_ids": Ignore(WORKERS),
     "return_raw_chat": Ignore(WORKERS),
     "return_full_prompt": Ignore(WORKERS),
-    "shuffle": Only((True,), "flatrl draws a seeded permutation of the prompts every epoch (data.seed)"),
     "dataloader_num_workers": Ignore("prompts are tokenised once, at the start"),
     "validation_shuffle": Ignore("validation scores do not depend on the order"),
     "filter_overlong_prompts_workers": Ignore("prompts are tokenised once, at the start"),
@@ -374,8 +379,6 @@ RL_DATA: dict[str, Rule] = {
     "sampler.class_name": Ignore("read only with data.sampler.class_path"),
     "datagen.path": Only((None,), NO_CODE),
     "datagen.name": Ignore("read only with data.datagen.path"),
-    "apply_chat_template_kwargs": Only(({},), "prompts are rendered with the chat template's defaults"),
-    "apply_chat_template_kwargs.*": Only(({},), "prompts are rendered with the chat template's defaults"),
     "audio_key": Ignore(TEXT_ONLY),
     "mm_processor_kwargs": Ignore(TEXT_ONLY),
     "mm_processor_kwargs.*": Ignore(TEXT_ONLY),
@@ -393,12 +396,17 @@ RL_ALGORITHM: dict[str, Rule] = {
     "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo"),
     "filter_groups.enable": Only((False,), "no DAPO dynamic sampling in ppo.py (grpo.py has it)"),
     "filter_groups.*": Ignore("read only with algorithm.filter_groups.enable"),
-    "rollout_correction.rollout_is": Only(
-        (None,), "no rollout importance sampling: old logprobs are recomputed"
-    ),
+    "rollout_correction.rollout_is": Pair("with its threshold, as algorithm.rollout_is (overrides._pairs)"),
+    "rollout_correction.rollout_is_threshold": Pair("read with algorithm.rollout_correction.rollout_is"),
     "rollout_correction.rollout_rs": Only((None,), "no rollout rejection sampling"),
     "rollout_correction.bypass_mode": Only((False,), "the trainer always recomputes old logprobs"),
-    "rollout_correction.*": Ignore("read only with rollout_is / rollout_rs"),
+    "rollout_correction.rollout_is_batch_normalize": Only(
+        (False,), "the truncated weights are not renormalised"
+    ),
+    "rollout_correction.rollout_token_veto_threshold": Only((None,), "no veto of whole sequences"),
+    "rollout_correction.loss_type": Ignore("read only with bypass_mode"),
+    "rollout_correction.use_policy_gradient": Ignore("read only with bypass_mode"),
+    "rollout_correction.*": Ignore("read only with rollout_rs (rejection sampling)"),
     "rollout_is": Only((False, None), "no rollout importance sampling: old logprobs are recomputed"),
     "rollout_is_level": Ignore("read only with algorithm.rollout_is"),
     "rollout_is_mode": Ignore("read only with algorithm.rollout_is"),
@@ -627,8 +635,6 @@ SFT_DATA: dict[str, Rule] = {
     "custom_cls.path": Only((None,), f"data.SFTDataset reads the rows; {NO_CODE}"),
     "custom_cls.name": Ignore("read only with data.custom_cls.path"),
     "use_shm": Ignore(SHM),
-    "apply_chat_template_kwargs": Only(({},), "the chat template's defaults are used"),
-    "apply_chat_template_kwargs.*": Only(({},), "the chat template's defaults are used"),
 }
 
 # model.*: partial_pretrain, trust_remote_code, enable_gradient_checkpointing, lora_rank, lora_alpha,
@@ -712,7 +718,7 @@ HYDRA_TARGET = Ignore(
 """The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
 
 HINTS = {
-    "algorithm.adv_estimator": "grpo.py runs grpo, rloo and reinforce_plus_plus; ppo.py runs gae (with a critic)",
+    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus and gpg; ppo.py runs gae (with a critic)",
     "rollout.name": "flatrl's engines: vllm, or hf (transformers' generate, for tests)",
 }
 

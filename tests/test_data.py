@@ -369,6 +369,31 @@ def test_not_parquet_empty_file_and_no_usable_rows(tok, tmp_path, kind):
 # ---------------------------------------------------------------- sampler and batching
 
 
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """data.apply_chat_template_kwargs (verl's; Qwen3's enable_thinking) reach the template in RL prompts and in
+    SFT conversations, whose target mask still covers the assistant turn only."""
+    thinking = "{%- if enable_thinking is false %}{{ '<nothink>' }}{%- endif %}" + CHAT_TEMPLATE
+    t = make_tok(thinking)
+    rows = [
+        {
+            "data_source": "toy",
+            "prompt": [{"role": "user", "content": "Hi"}],
+            "reward_model": {"ground_truth": "1"},
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rl.parquet")
+    off = data.RLDataset(str(tmp_path / "rl.parquet"), t, chat_template_kwargs={"enable_thinking": False})[0]
+    on = data.RLDataset(str(tmp_path / "rl.parquet"), t)[0]
+    assert off["raw_prompt"] == "<nothink>" + on["raw_prompt"]
+    assert off["prompt_ids"] == enc(t, off["raw_prompt"])
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Hi", "response": "Hello"}])
+    sft_off = data.SFTDataset(str(path), t, chat_template_kwargs={"enable_thinking": False})[0]
+    sft_on = data.SFTDataset(str(path), t)[0]
+    n_think = len(enc(t, "<nothink>"))
+    assert len(sft_off["input_ids"]) == len(sft_on["input_ids"]) + n_think
+    assert sum(sft_off["loss_mask"]) == sum(sft_on["loss_mask"]) > 0
+
+
 def test_sampler_epochs_resume_and_rng_independence():
     s = data.EpochSampler(n=10, batch_size=3, seed=7)
     assert s.steps_per_epoch == 3 and data.EpochSampler(10, 3, 7, drop_last=False).steps_per_epoch == 4
@@ -392,6 +417,18 @@ def test_sampler_epochs_resume_and_rng_independence():
         while len(got) < 9:
             got += list(resumed)
         assert got == straight, k
+
+
+def test_sampler_without_shuffle_keeps_the_row_order_and_resumes():
+    """data.shuffle=False (verl's LoRA examples): rows 0..n-1 in order every epoch, the seed unused."""
+    s = data.EpochSampler(n=10, batch_size=3, seed=7, shuffle=False)
+    two = [b for _ in range(2) for b in s]
+    assert two == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] * 2
+    assert data.EpochSampler(10, 3, 99, shuffle=False).epoch_batches(5) == two[:3]
+    assert data.EpochSampler(10, 3, 7).epoch_batches(0) != two[:3]  # the default still shuffles
+    resumed = data.EpochSampler(10, 3, 7, shuffle=False)
+    resumed.load_state_dict({"epoch": 1, "batch": 2})
+    assert next(iter(resumed)) == [6, 7, 8] and resumed.state_dict() == {"epoch": 2, "batch": 0}
 
 
 def test_split_for_rank_is_a_partition_and_balanced():

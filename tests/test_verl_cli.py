@@ -8,6 +8,7 @@ SFT engine test (tests/special_e2e/sft/run_sft_engine.sh).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -233,6 +234,39 @@ def test_dapo_recipe_command_line(tmp_path):
     assert_accounted(args, err, grpo.GRPOConfig)
 
 
+# verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh (2 GPUs, LoRA, the prompts in file order)
+GRPO_LORA_EXAMPLE = f"""
+    algorithm.adv_estimator=grpo trainer.val_before_train=False data.train_files={HOME}/data/gsm8k/train.parquet
+    data.val_files={HOME}/data/gsm8k/test.parquet data.train_batch_size=16 data.max_prompt_length=512
+    data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error data.shuffle=False
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct actor_rollout_ref.model.lora_rank=64
+    actor_rollout_ref.model.lora_alpha=32 actor_rollout_ref.actor.optim.lr=3e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=16
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.rollout.layered_summon=True actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+    trainer.logger=["console","wandb"] trainer.project_name=verl_grpo_example_gsm8k
+    trainer.experiment_name=qwen2.5_3b_grpo_lora trainer.n_gpus_per_node=2 trainer.nnodes=1 trainer.save_freq=20
+    trainer.test_freq=5 trainer.total_epochs=15
+""".split()
+
+
+def test_grpo_lora_example_command_line(tmp_path):
+    """verl's LoRA GRPO example: data.shuffle=False keeps the file order (data.EpochSampler), LoRA rank and
+    alpha land on the model, and every key is honoured or said."""
+    c, err = print_config("grpo.py", GRPO_LORA_EXAMPLE, grpo.GRPOConfig, tmp_path, world_size=2)
+    assert c.data.shuffle is False and grpo.GRPOConfig().data.shuffle is True
+    assert (c.model.lora_rank, c.model.lora_alpha, c.rollout.n, c.data.train_batch_size) == (64, 32, 5, 16)
+    assert c.trainer.val_before_train is False and c.actor.use_kl_loss and c.actor.kl_loss_coef == 0.001
+    assert_accounted(GRPO_LORA_EXAMPLE, err, grpo.GRPOConfig)
+
+
 def test_ppo_example_command_line(tmp_path):
     c, err = print_config("ppo.py", PPO_EXAMPLE, ppo.PPOConfig, tmp_path)
     assert c.algorithm.adv_estimator == "gae" and not c.algorithm.use_kl_in_reward
@@ -423,12 +457,15 @@ def test_overrides_and_precedence(tmp_path, capsys):
             "actor_rollout_ref.rollout.multi_turn.enable=True",
             "multi_turn.enable=True cannot be honoured: single-turn",
         ),
-        ("data.shuffle=False", "data.shuffle=False cannot be honoured: flatrl draws a seeded permutation"),
+        (
+            "algorithm.rollout_correction.rollout_rs=token",
+            "rollout_rs=token cannot be honoured: no rollout rejection sampling",
+        ),
         ("reward_model.enable=True", "reward_model.enable=True cannot be honoured"),
         ("actor_rollout_ref.actor.ppo_epochs=two", "key 'actor.ppo_epochs' expects int, got str 'two'"),
         (
             "algorithm.adv_estimator=gae",
-            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus'], got 'gae' (grpo.py",
+            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus', 'gpg'], got 'gae' (grpo.py",
         ),
         ("trainer.logger=a,b", "comma outside brackets"),
     ],
@@ -666,3 +703,84 @@ def test_pieces_of_a_full_verl_config(tmp_path, monkeypatch, capsys):
     )
     assert "ignored: actor_rollout_ref.rollout.name=??? (verl's 'unset'" in err
     assert "mapped: actor_rollout_ref.actor.ppo_micro_batch_size -> actor.ppo_micro_batch_size_per_gpu" in err
+
+
+def test_rollout_correction_token_is(tmp_path):
+    """verl 0.7+'s algorithm.rollout_correction.rollout_is=token is grpo.py's truncated IS: the threshold given
+    or verl's 2.0, every sample's engine logprobs; sequence-level weights and ppo.py refuse by name; the threshold
+    alone (in every verl trainer config) changes nothing."""
+    key = "algorithm.rollout_correction"
+    c, err = print_config("grpo.py", [f"{key}.rollout_is=token"], grpo.GRPOConfig, tmp_path, world_size=None)
+    assert (c.algorithm.rollout_is, c.algorithm.rollout_is_threshold, c.rollout.logprob_check_prompts) == (
+        True,
+        2.0,
+        -1,
+    )
+    assert "verl's default" in err
+    args = [f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=3.5", "rollout.logprob_check_prompts=-1"]
+    c, _ = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=None)
+    assert c.algorithm.rollout_is_threshold == 3.5
+    c, err = print_config(
+        "grpo.py", [f"{key}.rollout_is_threshold=5"], grpo.GRPOConfig, tmp_path, world_size=None
+    )
+    assert (
+        c.algorithm == grpo.AlgorithmConfig()
+        and "ignored: algorithm.rollout_correction.rollout_is_threshold" in err
+    )
+    for script, arg, needle in [
+        ("grpo.py", f"{key}.rollout_is=sequence", "sequence-level weights are not implemented"),
+        ("grpo.py", f"{key}.rollout_is_batch_normalize=true", "not renormalised"),
+        ("ppo.py", f"{key}.rollout_is=token", "algorithm.rollout_is=true cannot be honoured"),
+    ]:
+        p = run(script, [arg, "--print-config"], None)
+        assert p.returncode != 0 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_verl_config_path_resolves_in_an_installed_verl(tmp_path):
+    """verl's examples write `--config-path=config --config-name=ppo_trainer`, which Hydra reads relative to
+    verl/trainer: found there when verl is installed (located, not imported: its __init__ would fail); Megatron
+    configs and a file found nowhere are one line naming the options."""
+    trainer = tmp_path / "site" / "verl" / "trainer"
+    (trainer / "config").mkdir(parents=True)
+    (trainer.parent / "__init__.py").write_text("raise RuntimeError('verl must not be imported')\n")
+    (trainer / "config" / "ppo_trainer.yaml").write_text("data:\n  train_batch_size: 48\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    args = ["--config-path=config", "--config-name=ppo_trainer", "--print-config"]
+
+    def grpo_py(extra_env: dict, argv: list[str]) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "grpo.py"), *argv]
+        return subprocess.run(cmd, cwd=ROOT, env=env | extra_env, capture_output=True, text=True, timeout=300)
+
+    p = grpo_py({"PYTHONPATH": str(tmp_path / "site")}, args)
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["data"]["train_batch_size"] == 48
+    p = grpo_py({}, args)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1
+    assert "config/ppo_trainer.yaml is not in the working directory" in p.stderr
+    p = grpo_py({}, ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", "--print-config"])
+    assert p.returncode != 0 and "Megatron" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_sweep_of_verl_examples_counts_what_loads(tmp_path):
+    """scripts/sweep_verl_examples.py on a stand-in checkout: each script's trainer call is recorded (through a
+    line continuation and a variable), sent to grpo.py, and counted; a refusal is grouped under its one line."""
+    ex = tmp_path / "verl" / "examples" / "grpo_trainer"
+    ex.mkdir(parents=True)
+    (ex / "ok.sh").write_text(
+        "set -x\nN=5\npython3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo \\\n"
+        "    data.shuffle=False actor_rollout_ref.rollout.n=$N trainer.n_gpus_per_node=1 $@\n"
+    )
+    (ex / "refused.sh").write_text("python3 -m verl.trainer.main_ppo reward_model.enable=True\n")
+    (ex / "prep.sh").write_text(
+        "python3 examples/data_preprocess/gsm8k.py --local_dir /tmp/x\n"
+    )  # not a trainer
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sweep_verl_examples.py"), str(tmp_path / "verl"), "--out",
+         str(tmp_path / "sweep.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "1 of 2 command lines loaded (2 calls recorded)" in p.stdout
+    assert "[1] error: command line 'reward_model.enable=True'" in p.stdout
+    runs = {Path(r["example"]).name: r for r in json.loads((tmp_path / "sweep.json").read_text())}
+    assert runs["ok.sh"]["rc"] == 0 and "actor_rollout_ref.rollout.n=5" in runs["ok.sh"]["args"]
