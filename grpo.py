@@ -28,6 +28,10 @@ Estimators (`algorithm.adv_estimator`), per prompt group of n scores s_i:
     rloo                 s_i - mean of the others           arXiv:2402.14740
     reinforce_plus_plus  s_i whitened over the whole batch  arXiv:2501.03262 (outcome reward, gamma = 1)
     gpg                  alpha (s_i - mean), alpha = B / #(s != 0) over the batch   arXiv:2504.02546
+    reinforce_plus_plus_baseline  s_i - mean, then whitened over the batch  (verl's; REINFORCE++ with a group
+                         baseline, arXiv:2501.03262)
+With algorithm.use_kl_in_reward, s_i is the score less the response's summed KL penalty (REINFORCE++ alone
+gives each token its own return).
 
 The objective is `policy_loss`, and nothing else in the repo owns it. `actor.policy_loss.loss_mode` picks the
 per-token surrogate l (`surrogate`; r = pi / pi_old per token, A the advantage, sg a stop-gradient), each as verl's
@@ -91,12 +95,22 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     """Advantage estimation."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gpg"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gpg", "reinforce_plus_plus_baseline"] = (
+        "grpo"
+    )
     """Estimator; see the module docstring."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; False is Dr. GRPO."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef * KL(policy || reference) from each response token's reward, as verl's
+    apply_kl_penalty (its REINFORCE++ and RLOO examples): grpo, rloo and gpg score a response by the sum of its
+    token rewards (the score less its summed penalty); reinforce_plus_plus gives each token its return (the score
+    less the penalty from that token on), whitened over all tokens. Loads the reference model and runs the
+    old-logprob pass."""
     kl_penalty: str = "kl"
-    """KL estimator for a KL-in-reward penalty (ppo.py); accepted here so verl configs load."""
+    """KL estimator of the reward's penalty: kl (k1), abs, mse (k2), low_var_kl (k3)."""
+    kl_ctrl: rl.KLControlConfig = field(default_factory=rl.KLControlConfig)
+    """The penalty's coefficient, fixed or adaptive (verl's algorithm.kl_ctrl)."""
     rollout_is_threshold: Annotated[float | None, config.POSITIVE] = None
     """Rollout importance sampling (verl's algorithm.rollout_is_threshold; TIS, TRL's
     vllm_importance_sampling_cap): the engine samples from its own bf16 numbers, not the trainer's, and each
@@ -192,11 +206,27 @@ def whiten_by_tokens(
     return ((scores.double() - mean) / (var + 1e-8) ** 0.5).float()
 
 
-def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> None:
-    """Sets sample.advantages (one number per response) from the scores, per prompt group (whitened over all
-    ranks for REINFORCE++)."""
+def compute_advantages(
+    samples: list[actor.Sample], cfg: AlgorithmConfig, kl_ctrl: rl.KLController | None = None
+) -> dict[str, float]:
+    """Sets sample.advantages (one number per response, or [L] for REINFORCE++ with use_kl_in_reward) from the
+    scores, per prompt group (whitened over all ranks for REINFORCE++); returns the KL-in-reward metrics."""
     scores = torch.tensor([s.score for s in samples])  # [B]
     groups = torch.tensor([s.group for s in samples])  # [B]
+    if cfg.use_kl_in_reward:
+        lens = [len(s.response_ids) for s in samples]
+        penalty, metrics = rl.kl_in_reward(samples, cfg.kl_penalty, kl_ctrl, max(lens, default=1))  # [B, R]
+        if cfg.adv_estimator == "reinforce_plus_plus":
+            # each token's return: the score less the penalty still to come
+            returns = scores[:, None] - penalty.flip(-1).cumsum(-1).flip(-1)  # [B, R]
+            mask = actor.mask_of(lens, torch.device("cpu"), penalty.shape[1])
+            adv = rl.global_whiten(returns, mask)
+            for i, s in enumerate(samples):
+                s.advantages = adv[i, : lens[i]]
+            return metrics
+        scores = scores - penalty.sum(-1)  # the sum of the token rewards
+    else:
+        metrics = {}
     if cfg.adv_estimator == "grpo":
         adv = group_advantages(scores, groups, norm_by_std=cfg.norm_adv_by_std_in_grpo)
     elif cfg.adv_estimator == "rloo":
@@ -204,12 +234,15 @@ def compute_advantages(samples: list[actor.Sample], cfg: AlgorithmConfig) -> Non
     elif cfg.adv_estimator == "gpg":
         counts = (float(len(scores)), float((scores != 0).sum()))
         adv = gpg_advantages(scores, groups, tuple(fsdp.all_reduce(x) for x in counts))
-    else:
+    else:  # REINFORCE++, with a group baseline first or not (a group of one gets 0 there, as in grpo)
+        if cfg.adv_estimator == "reinforce_plus_plus_baseline":
+            scores = group_advantages(scores, groups, norm_by_std=False)
         lengths = torch.tensor([len(s.response_ids) for s in samples]).double()  # [B]
         sums = (lengths.sum(), (lengths * scores).sum(), (lengths * scores**2).sum())
         adv = whiten_by_tokens(scores, lengths, tuple(fsdp.all_reduce(x.item()) for x in sums))
     for s, a in zip(samples, adv.tolist(), strict=True):
         s.advantages = a
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------- objective
@@ -467,17 +500,22 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     )  # run.cfg: model.path as loaded (checkpoint.as_hf_model)
     policy, hf_files = actor.load(cfg.model, run.dist.device)
     ref = None
-    if cfg.actor.use_kl_loss and not cfg.trainer.val_only:
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not cfg.trainer.val_only:
         ref = actor.load_reference(cfg.model, policy, run.dist.device)
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
     offload = rl.offloads(cfg.model.fsdp_config, optimizer)
     components = {"": (policy, optimizer, hf_files)}
-    one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size)  # no old-logprob pass
+    # no old-logprob pass, unless the KL in the reward needs the old logprobs before the advantages (as ppo.py)
+    one_step = (
+        actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size) and not cfg.algorithm.use_kl_in_reward
+    )
+    kl_ctrl = rl.KLController(cfg.algorithm.kl_ctrl)
     engine = None
     try:
         engine = rl.make_engine(cfg, run)
-        step, results, _ = rl.resume(run, components, scheduler, guard)
+        step, results, extra = rl.resume(run, components, scheduler, guard)
+        kl_ctrl.value = extra.get("kl_coef", kl_ctrl.value)
         # trainer.val_only stops here
         if rl.push_and_validate_first(run, engine, policy, step, results, offload):
             return results
@@ -512,7 +550,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 with timer("reward"):
                     metrics = scores()  # waits for what is left of the scoring
                 # 5. advantages
-                compute_advantages(samples, cfg.algorithm)
+                metrics |= compute_advantages(samples, cfg.algorithm, kl_ctrl)
                 # 6. the update, and the proof that the engine ran the trainer's weights
                 with timer("update"):
                     loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
@@ -531,8 +569,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 with timer("sync"):
                     rl.push(run, engine, policy, offload)
             # 8. validate, log, save when due
+            own = {"kl_coef": kl_ctrl.value}
             save = functools.partial(
-                rl.save, run, step, components, scheduler, guard, results, offload=offload
+                rl.save, run, step, components, scheduler, guard, results, own, offload=offload
             )
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:

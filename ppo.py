@@ -50,20 +50,6 @@ import sp
 
 
 @dataclass(frozen=True)
-class KLControlConfig:
-    """The KL-in-reward coefficient (verl's algorithm.kl_ctrl)."""
-
-    type: Literal["fixed", "adaptive"] = "fixed"
-    """fixed: kl_coef throughout; adaptive: kl_coef moves towards the target KL (Ziegler et al. 2019)."""
-    kl_coef: Annotated[float, config.NON_NEGATIVE] = 0.001
-    """The (initial) coefficient."""
-    target_kl: Annotated[float, config.POSITIVE] = 0.1
-    """adaptive: the per-token KL the controller aims at."""
-    horizon: Annotated[int, config.AT_LEAST_ONE] = 10000
-    """adaptive: sequences over which an error of the KL is corrected."""
-
-
-@dataclass(frozen=True)
 class AlgorithmConfig:
     """Rewards and advantages."""
 
@@ -77,7 +63,7 @@ class AlgorithmConfig:
     """Subtract kl_ctrl.kl_coef * KL(actor || reference) from every response token's reward."""
     kl_penalty: str = "kl"
     """KL estimator in the reward: kl (k1), abs, mse (k2), low_var_kl (k3)."""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    kl_ctrl: rl.KLControlConfig = field(default_factory=rl.KLControlConfig)
     """The coefficient's controller."""
 
 
@@ -138,25 +124,6 @@ class PPOConfig:
 # ------------------------------------------------------------------------------------- rewards, GAE
 
 
-class KLController:
-    """The KL-in-reward coefficient: fixed, or adaptive (Ziegler et al. 2019, as verl's AdaptiveKLController):
-
-        value <- value * (1 + clip(kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon)
-
-    after each batch, where kl is the batch's measured KL and n_steps its number of sequences.
-    """
-
-    def __init__(self, cfg: KLControlConfig):
-        if cfg.type == "adaptive" and cfg.horizon <= 0:
-            raise ValueError(f"algorithm.kl_ctrl.horizon must be > 0, got {cfg.horizon}")
-        self.cfg, self.value = cfg, cfg.kl_coef
-
-    def update(self, kl: float, n_steps: int) -> None:
-        if self.cfg.type == "adaptive":
-            error = min(max(kl / self.cfg.target_kl - 1.0, -0.2), 0.2)
-            self.value *= 1.0 + error * n_steps / self.cfg.horizon
-
-
 def gae_unwhitened(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,17 +155,8 @@ def gae(
     return losses.masked_whiten(advantages, mask), returns
 
 
-def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """losses.masked_whiten with the mean and (unbiased) variance of the masked entries on all ranks. [B, T]."""
-    m = mask.to(torch.float64)
-    n = fsdp.all_reduce(m.sum().item())
-    mean = fsdp.all_reduce((x.double() * m).sum().item()) / n
-    var = fsdp.all_reduce((((x.double() - mean) ** 2) * m).sum().item()) / max(n - 1, 1)
-    return ((x - mean) / (var + 1e-8) ** 0.5).to(x.dtype)
-
-
 def advantages_and_returns(
-    samples: list[actor.Sample], cfg: AlgorithmConfig, kl_ctrl: KLController
+    samples: list[actor.Sample], cfg: AlgorithmConfig, kl_ctrl: rl.KLController
 ) -> dict[str, float]:
     """Token rewards (score on the last token, minus the KL penalty), GAE, global whitening: sets each sample's
     `advantages` and `returns` ([L] tensors) and updates the KL controller. Returns the step's reward metrics."""
@@ -210,16 +168,11 @@ def advantages_and_returns(
     values = actor.padded([s.values for s in samples], R, torch.device("cpu"))
     metrics = {"actor/reward_kl_penalty_coeff": kl_ctrl.value}
     if cfg.use_kl_in_reward:
-        old = actor.padded([s.old_logprobs for s in samples], R, torch.device("cpu"))
-        ref = actor.padded([s.ref_logprobs for s in samples], R, torch.device("cpu"))
-        kl = losses.kl_penalty(old, ref, cfg.kl_penalty) * mask  # [S, R]
-        rewards = rewards - kl_ctrl.value * kl
-        n = fsdp.all_reduce(len(samples))
-        current = fsdp.all_reduce(losses.masked_mean(kl, mask, dim=-1).sum().item()) / n  # mean of sequences
-        kl_ctrl.update(current, n_steps=int(n))
-        metrics["actor/reward_kl_penalty"] = current
+        penalty, kl_metrics = rl.kl_in_reward(samples, cfg.kl_penalty, kl_ctrl, R)  # [S, R]
+        rewards = rewards - penalty
+        metrics |= kl_metrics
     advantages, returns = gae_unwhitened(rewards, values, mask, cfg.gamma, cfg.lam)
-    advantages = global_whiten(advantages, mask)
+    advantages = rl.global_whiten(advantages, mask)
     for i, s in enumerate(samples):
         s.advantages, s.returns = advantages[i, : lens[i]], returns[i, : lens[i]]
     resid = (returns - values) * mask
@@ -368,7 +321,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
     optimizer, scheduler = optim.build(policy.parameters(), cfg.actor.optim, run.total_steps)
     critic_optimizer, critic_scheduler = optim.build(critic.parameters(), cfg.critic.optim, run.total_steps)
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)  # counts the critic's and the actor's steps
-    kl_ctrl = KLController(cfg.algorithm.kl_ctrl)
+    kl_ctrl = rl.KLController(cfg.algorithm.kl_ctrl)
     offload = rl.offloads(cfg.model.fsdp_config, optimizer) + rl.offloads(
         cfg.critic.model.fsdp_config, critic_optimizer
     )

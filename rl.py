@@ -40,6 +40,7 @@ import config
 import data
 import fsdp
 import log
+import losses
 import optim
 import perf
 import reward
@@ -100,6 +101,66 @@ class RLTrainerConfig(config.TrainerConfig):
     plan: bool = False
     """Print the memory plan (perf.plan: each phase's estimated device memory next to the device's, and the
     flag to lower where it does not fit) and exit before loading anything."""
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    """The KL-in-reward coefficient (verl's algorithm.kl_ctrl)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: kl_coef throughout; adaptive: kl_coef moves towards the target KL (Ziegler et al. 2019)."""
+    kl_coef: Annotated[float, config.NON_NEGATIVE] = 0.001
+    """The (initial) coefficient."""
+    target_kl: Annotated[float, config.POSITIVE] = 0.1
+    """adaptive: the per-token KL the controller aims at."""
+    horizon: Annotated[int, config.AT_LEAST_ONE] = 10000
+    """adaptive: sequences over which an error of the KL is corrected."""
+
+
+class KLController:
+    """The KL-in-reward coefficient: fixed, or adaptive (Ziegler et al. 2019, as verl's AdaptiveKLController):
+
+        value <- value * (1 + clip(kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon)
+
+    after each batch, where kl is the batch's measured KL and n_steps its number of sequences.
+    """
+
+    def __init__(self, cfg: KLControlConfig):
+        if cfg.type == "adaptive" and cfg.horizon <= 0:
+            raise ValueError(f"algorithm.kl_ctrl.horizon must be > 0, got {cfg.horizon}")
+        self.cfg, self.value = cfg, cfg.kl_coef
+
+    def update(self, kl: float, n_steps: int) -> None:
+        if self.cfg.type == "adaptive":
+            error = min(max(kl / self.cfg.target_kl - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n_steps / self.cfg.horizon
+
+
+def global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """losses.masked_whiten with the mean and (unbiased) variance of the masked entries on all ranks. [B, T]."""
+    m = mask.to(torch.float64)
+    n = fsdp.all_reduce(m.sum().item())
+    mean = fsdp.all_reduce((x.double() * m).sum().item()) / n
+    var = fsdp.all_reduce((((x.double() - mean) ** 2) * m).sum().item()) / max(n - 1, 1)
+    return ((x - mean) / (var + 1e-8) ** 0.5).to(x.dtype)
+
+
+def kl_in_reward(
+    samples: list[actor.Sample], estimator: str, kl_ctrl: KLController, R: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The KL-in-reward penalty (verl's apply_kl_penalty): kl_coef * KL(old policy || reference) per response
+    token, by `estimator` (losses.kl_penalty), [S, R] and 0 past each response; then the controller moves on the
+    batch's KL (the mean over all ranks' sequences of each one's token mean). Needs each sample's old_logprobs and
+    ref_logprobs. Returns the penalty and its metrics."""
+    cpu = torch.device("cpu")
+    mask = actor.mask_of([len(s.response_ids) for s in samples], cpu, R)  # [S, R]
+    old = actor.padded([s.old_logprobs for s in samples], R, cpu)
+    ref = actor.padded([s.ref_logprobs for s in samples], R, cpu)
+    kl = losses.kl_penalty(old, ref, estimator) * mask  # [S, R]
+    coef, n = kl_ctrl.value, fsdp.all_reduce(len(samples))
+    current = fsdp.all_reduce(losses.masked_mean(kl, mask, dim=-1).sum().item()) / n
+    kl_ctrl.update(current, n_steps=int(n))
+    return coef * kl, {"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": coef}
 
 
 # ------------------------------------------------------------------------------ set-up, checkpoints

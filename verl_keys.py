@@ -389,8 +389,7 @@ RL_DATA: dict[str, Rule] = {
     ),
 }
 
-# algorithm.*: adv_estimator and kl_penalty are flatrl's names; gamma, lam, use_kl_in_reward and kl_ctrl.* in
-# ppo.py.
+# algorithm.*: adv_estimator, kl_penalty, use_kl_in_reward and kl_ctrl.* are flatrl's names; gamma and lam in ppo.py.
 RL_ALGORITHM: dict[str, Rule] = {
     "use_pf_ppo": Only((False,), "no preference-feedback PPO reweighting"),
     "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo"),
@@ -553,10 +552,6 @@ RL: dict[str, Rule] = {
 GRPO: dict[str, Rule] = {
     "algorithm.gamma": Only((1,), "grpo.py's estimators score whole responses (gamma 1)"),
     "algorithm.lam": Ignore("GAE's lambda: grpo.py has no GAE (ppo.py does)"),
-    "algorithm.use_kl_in_reward": Only(
-        (False,), "grpo.py's KL is a loss (actor.use_kl_loss); KL in the reward is ppo.py's"
-    ),
-    "algorithm.kl_ctrl.*": Ignore("read only with algorithm.use_kl_in_reward (ppo.py)"),
     "critic.enable": Only((None, False), NO_CRITIC),
     "critic.*": Ignore(NO_CRITIC),
     "trainer.critic_warmup": Only((0,), NO_CRITIC),
@@ -718,7 +713,7 @@ HYDRA_TARGET = Ignore(
 """The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
 
 HINTS = {
-    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus and gpg; ppo.py runs gae (with a critic)",
+    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline and gpg; ppo.py runs gae (with a critic)",
     "rollout.name": "flatrl's engines: vllm, or hf (transformers' generate, for tests)",
 }
 

@@ -90,7 +90,7 @@ def test_a_lone_sample_and_an_all_equal_group_give_no_signal():
     assert adv.tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_compute_advantages_sets_one_number_per_sample(estimator):
     import actor
     import fsdp
@@ -502,3 +502,79 @@ def test_rollout_importance_sampling_weights_each_token_truncated(one_rank, tiny
     metrics_only = dataclasses.replace(cfg, algorithm=grpo.AlgorithmConfig(rollout_is_threshold=2.0))
     plain = sum(-s.advantages * len(s.response_ids) for s in samples) / tokens
     assert abs(float(grpo.policy_loss(model, mb, metrics_only, None)[0]) - plain) < 1e-5
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+def test_kl_in_reward(estimator):
+    """algorithm.use_kl_in_reward (verl's apply_kl_penalty, its REINFORCE++ and RLOO examples): each token's reward
+    is -kl_coef * (old - ref) (k1); grpo and rloo score a response by its token rewards' sum, REINFORCE++ gives each
+    token its return from there on, whitened over all tokens (unbiased); the metrics are the batch's KL (the mean of
+    the sequences' token means) and the coefficient, which the adaptive controller then moves."""
+    import actor
+    import fsdp
+    import rl
+
+    fsdp.init_distributed()
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for k in range(6):
+        n = 2 + k % 3
+        s = actor.Sample([1], [2] * n, [0.0] * n, "stop", k // 3, score=float(k % 2))
+        s.old_logprobs, s.ref_logprobs = -torch.rand(n, generator=g), -torch.rand(n, generator=g)
+        samples.append(s)
+    beta = 0.5
+    kl_cfg = rl.KLControlConfig(type="adaptive", kl_coef=beta, target_kl=0.01, horizon=100)
+    ctrl = rl.KLController(kl_cfg)
+    cfg = grpo.AlgorithmConfig(adv_estimator=estimator, use_kl_in_reward=True, kl_ctrl=kl_cfg)
+    m = grpo.compute_advantages(samples, cfg, ctrl)
+    kls = [s.old_logprobs - s.ref_logprobs for s in samples]
+    assert abs(m["actor/reward_kl_penalty"] - sum(float(k.mean()) for k in kls) / 6) < 1e-6
+    assert m["actor/reward_kl_penalty_coeff"] == beta and ctrl.value != beta  # moved after the step
+    scores = torch.tensor([s.score for s in samples])
+    groups = torch.tensor([s.group for s in samples])
+    if estimator == "reinforce_plus_plus":
+        returns = [
+            s.score - beta * torch.flip(torch.cumsum(torch.flip(k, [0]), 0), [0])
+            for s, k in zip(samples, kls, strict=True)
+        ]
+        flat = torch.cat(returns).double()
+        want = [
+            ((r.double() - flat.mean()) / (flat.var(unbiased=True) + 1e-8) ** 0.5).float() for r in returns
+        ]
+        for s, w in zip(samples, want, strict=True):
+            assert s.advantages.shape == w.shape and torch.allclose(s.advantages, w, atol=1e-5)
+        return
+    penalised = scores - beta * torch.stack([k.sum() for k in kls])
+    want = (
+        grpo.group_advantages(penalised, groups)
+        if estimator == "grpo"
+        else grpo.rloo_advantages(penalised, groups)
+    )
+    assert torch.allclose(torch.tensor([s.advantages for s in samples]), want.float(), atol=1e-5)
+    plain = grpo.compute_advantages(samples, grpo.AlgorithmConfig(adv_estimator=estimator))
+    assert plain == {} and not torch.allclose(
+        torch.tensor([s.advantages for s in samples]), want.float(), atol=1e-3
+    )
+
+
+def test_reinforce_plus_plus_baseline_centres_per_group_then_whitens_over_tokens():
+    """verl's reinforce_plus_plus_baseline: each score less its group's mean, then whitened over all response
+    tokens (every token carries its sequence's value; unbiased variance), so unlike plain REINFORCE++ a group whose
+    responses all score alike gets 0."""
+    import actor
+    import fsdp
+
+    fsdp.init_distributed()
+    scores, lens, groups = [1.0, 0.0, 3.0, 3.0], [2, 3, 1, 4], [0, 0, 1, 1]
+    samples = [
+        actor.Sample([1], [2] * n, [0.0] * n, "stop", g, score=x)
+        for x, n, g in zip(scores, lens, groups, strict=True)
+    ]
+    grpo.compute_advantages(samples, grpo.AlgorithmConfig(adv_estimator="reinforce_plus_plus_baseline"))
+    centred = [0.5, -0.5, 0.0, 0.0]
+    tokens = torch.tensor(
+        [c for c, n in zip(centred, lens, strict=True) for _ in range(n)], dtype=torch.float64
+    )
+    want = (torch.tensor(centred, dtype=torch.float64) - tokens.mean()) / (tokens.var() + 1e-8) ** 0.5
+    assert torch.allclose(torch.tensor([s.advantages for s in samples], dtype=torch.float64), want, atol=1e-6)
+    assert abs(samples[2].advantages - samples[3].advantages) < 1e-9 and abs(samples[2].advantages) < 0.2

@@ -9,6 +9,7 @@ import torch
 
 import losses
 import ppo
+import rl
 
 torch.set_num_threads(1)
 
@@ -99,7 +100,7 @@ def test_gae_outcome_reward_gamma_lambda_one_is_reward_minus_value():
 
 
 def test_adaptive_kl_controller_by_hand():
-    ctrl = ppo.KLController(ppo.KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=1000))
+    ctrl = rl.KLController(rl.KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=1000))
     # kl 0.15: error 0.15/0.1 - 1 = 0.5, clipped to 0.2; 100 sequences: 0.2 * (1 + 0.2 * 100/1000) = 0.204
     ctrl.update(0.15, n_steps=100)
     assert abs(ctrl.value - 0.204) < 1e-12
@@ -109,11 +110,11 @@ def test_adaptive_kl_controller_by_hand():
     # kl 0: error -1 clipped to -0.2; 1000 sequences: 0.1938 * 0.8 = 0.15504
     ctrl.update(0.0, n_steps=1000)
     assert abs(ctrl.value - 0.15504) < 1e-12
-    fixed = ppo.KLController(ppo.KLControlConfig(type="fixed", kl_coef=0.05))
+    fixed = rl.KLController(rl.KLControlConfig(type="fixed", kl_coef=0.05))
     fixed.update(10.0, n_steps=10**6)
     assert fixed.value == 0.05
     with pytest.raises(ValueError, match="horizon"):
-        ppo.KLController(ppo.KLControlConfig(type="adaptive", horizon=0))
+        rl.KLController(rl.KLControlConfig(type="adaptive", horizon=0))
 
 
 def test_value_loss_clipping():

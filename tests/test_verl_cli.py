@@ -22,6 +22,7 @@ import grpo
 import overrides
 import ppo
 import reward
+import rl
 import sft
 import verl_keys
 
@@ -167,9 +168,11 @@ def test_grpo_example_command_line(tmp_path):
         "mapped: actor_rollout_ref.actor.fsdp_config.param_offload -> model.fsdp_config.cpu_offload",
         "ignored: actor_rollout_ref.ref.fsdp_config.param_offload=True (the reference is a frozen copy",
         "ignored: actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
-        "ignored: algorithm.use_kl_in_reward=False",
     ):
         assert line in err, err
+    assert (
+        c.algorithm.use_kl_in_reward is False and "use_kl_in_reward" not in err
+    )  # flatrl's own key, honoured
     assert "mapped: actor_rollout_ref.actor.ppo_mini_batch_size" not in err  # a plain move in grpo.py
 
 
@@ -465,7 +468,7 @@ def test_overrides_and_precedence(tmp_path, capsys):
         ("actor_rollout_ref.actor.ppo_epochs=two", "key 'actor.ppo_epochs' expects int, got str 'two'"),
         (
             "algorithm.adv_estimator=gae",
-            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus', 'gpg'], got 'gae' (grpo.py",
+            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus', 'gpg', 'reinforce_plus_plus_baseline'], got 'gae'",
         ),
         ("trainer.logger=a,b", "comma outside brackets"),
     ],
@@ -784,3 +787,36 @@ def test_sweep_of_verl_examples_counts_what_loads(tmp_path):
     assert "[1] error: command line 'reward_model.enable=True'" in p.stdout
     runs = {Path(r["example"]).name: r for r in json.loads((tmp_path / "sweep.json").read_text())}
     assert runs["ok.sh"]["rc"] == 0 and "actor_rollout_ref.rollout.n=5" in runs["ok.sh"]["args"]
+
+
+# verl's examples/rloo_trainer/run_qwen2-7b.sh: RLOO with the KL in the reward
+RLOO_EXAMPLE = f"""
+    algorithm.adv_estimator=rloo data.train_files={HOME}/data/gsm8k/train.parquet
+    data.val_files={HOME}/data/gsm8k/test.parquet data.train_batch_size=1024 data.max_prompt_length=512
+    data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=80 actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=160
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=160 actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=True algorithm.kl_penalty=kl algorithm.kl_ctrl.kl_coef=0.001 trainer.critic_warmup=0
+    trainer.logger=["console","wandb"] trainer.project_name=verl_rloo_example_gsm8k
+    trainer.experiment_name=qwen2_7b_function_rm trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=-1
+    trainer.test_freq=5 trainer.total_epochs=15
+""".split()
+
+
+def test_rloo_example_with_kl_in_reward(tmp_path):
+    """verl's RLOO example puts the KL in the reward: grpo.py honours it with verl's fixed coefficient."""
+    c, err = print_config("grpo.py", RLOO_EXAMPLE, grpo.GRPOConfig, tmp_path)
+    assert (c.algorithm.adv_estimator, c.algorithm.use_kl_in_reward, c.algorithm.kl_penalty) == (
+        "rloo",
+        True,
+        "kl",
+    )
+    assert c.algorithm.kl_ctrl == rl.KLControlConfig(type="fixed", kl_coef=0.001) and not c.actor.use_kl_loss
+    assert_accounted(RLOO_EXAMPLE, err, grpo.GRPOConfig)
