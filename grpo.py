@@ -48,10 +48,10 @@ fork edits these functions.
 Where it deviates from verl's ray_trainer + dp_actor:
 1. No Ray: one process per GPU under torchrun, each with its own engine (verl's colocated "hybrid engine").
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
-3. The KL-in-reward path (`algorithm.use_kl_in_reward`) belongs to ppo.py; here the KL is a loss term.
-4. vLLM's logprobs prove the weight push and are not used in the loss, so vLLM returns them for a few
-   prompts per call only (rollout.logprob_check_prompts).
-5. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
+3. vLLM's logprobs prove the weight push and are not used in the loss unless algorithm.rollout_is asks
+   (truncated importance weights), so vLLM returns them for a few prompts per call only
+   (rollout.logprob_check_prompts; every prompt with rollout_is).
+4. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ def resume(
     """Loads the checkpoint trainer.resume_mode points at (if any) and opens the logger.
 
     Returns (step, results, extra): the step to continue from, the results so far, and the script's own state
-    (e.g. ppo.py's KL coefficient) as `save` wrote it.
+    (e.g. the KL-in-reward coefficient) as `save` wrote it.
 
     Restores every component's model and optimizer, the data position, the schedule and the skip counters.
     metrics.jsonl keeps the lines up to the resumed step (an interrupted run may have logged past it).
