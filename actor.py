@@ -77,8 +77,10 @@ class ModelConfig:
     host issues op by op, which bounds the update at small sizes on a fast GPU (bench/README.md). FSDP2's hooks
     and the activation recomputation stay outside the compiled code, and parameter names do not change. The
     first micro-batches pay the compilation. On CPU the graphs are captured (aot_eager) but nothing is fused.
-    Not with Ulysses sequence parallelism. Not yet measured on a GPU (on CPU, with inductor: 0.43x the ops of an
-    update and 0.8x its time at a tiny hidden size)."""
+    Not with Ulysses sequence parallelism, nor beside an in-process engine generating ahead (rollout.async_steps=1
+    needs rollout.engine_process=true: tracing a layer patches module calls process-wide, and vLLM's sampler in
+    the other thread fails). Measured at 0.5B on an H100 (bench/README.md, ecfbe9a): the checkpointed update
+    1.46x the tokens/s of eager (MFU 0.17 -> 0.25), and grpo.py's step 0.94x, with the first step 18 s longer."""
     lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
     """LoRA rank; 0 trains all weights. With LoRA the reference policy is the base model (adapters off) and
     the engine receives the merged weights."""

@@ -487,6 +487,12 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             f"actor.policy_loss.loss_mode={a.policy_loss.loss_mode} averages its policy term per sequence "
             "(seq-mean-token-mean), as verl does"
         )
+    if cfg.model.compile_layers and cfg.rollout.async_steps and not cfg.rollout.engine_process:
+        raise SystemExit(
+            "error: model.compile_layers with rollout.async_steps=1 needs rollout.engine_process=true: compiling a "
+            "layer traces modules process-wide, and vLLM's sampler, decoding in this process's other thread, then "
+            "fails ('FX to symbolically trace a dynamo-optimized function'; H100, 2026-12-05)"
+        )
     fg = cfg.algorithm.filter_groups
     if fg.enable and cfg.rollout.async_steps:
         raise SystemExit(

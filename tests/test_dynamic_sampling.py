@@ -114,6 +114,12 @@ def test_verl_dapo_keys_and_async_refused(capsys):
     cfg = config.parse(grpo.GRPOConfig, [*args, "actor_rollout_ref.rollout.async_steps=1"])
     with pytest.raises(SystemExit, match="filter_groups.enable needs rollout.async_steps=0"):
         grpo.main(cfg)
+    # compiled layers trace modules process-wide: not beside an in-process engine decoding in another thread
+    cfg = config.parse(grpo.GRPOConfig, ["rollout.async_steps=1", "model.compile_layers=true"])
+    with pytest.raises(
+        SystemExit, match="model.compile_layers with rollout.async_steps=1 needs rollout.engine_process"
+    ):
+        grpo.main(cfg)
 
 
 def test_two_ranks_fill_both_shares(toy_dir, tmp_path):
