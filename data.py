@@ -450,21 +450,16 @@ class EpochSampler:
     """Global batches of dataset indices, one seeded permutation per epoch, resumable.
 
     Epoch e's order is torch.randperm(n) under torch.Generator().manual_seed(seed + e): independent of the
-    global RNG and of the world size; with shuffle=False it is the rows' own order, 0..n-1, every epoch. `for batch in sampler` yields the rest of the current epoch and leaves
-    the sampler at the next one; the state advances as each batch is handed out, so state_dict() after k
-    batches resumes with batch k.
+    global RNG and of the world size; with shuffle=False it is the rows' own order, 0..n-1, every epoch.
+    `for batch in sampler` yields the rest of the current epoch and leaves the sampler at the next one; the state
+    advances as each batch is handed out, so state_dict() after k batches resumes with batch k.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, drop_last: bool = True, shuffle: bool = True):
         if batch_size < 1 or n < (batch_size if drop_last else 1):
             raise ValueError(f"cannot draw batches of {batch_size} from {n} examples (drop_last={drop_last})")
-        self.n, self.batch_size, self.seed, self.drop_last, self.shuffle = (
-            n,
-            batch_size,
-            seed,
-            drop_last,
-            shuffle,
-        )
+        self.n, self.batch_size, self.seed, self.drop_last = n, batch_size, seed, drop_last
+        self.shuffle = shuffle
         self.epoch, self.batch = 0, 0
 
     @property
