@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -154,6 +155,21 @@ def _render(
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
+
+
+def unread_template_kwargs(tokenizer, template_kwargs: Mapping | None) -> list[str]:
+    """One note per key of `template_kwargs` whose name the tokenizer's chat template never mentions: passing it
+    changes nothing (Jinja ignores unknown variables), so the scripts say so rather than drop it silently."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates ({"default": ..., "tool_use": ...})
+        template = "\n".join(str(t) for t in template.values())
+    text = template if isinstance(template, str) else ""
+    where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    return [
+        f"note: data.apply_chat_template_kwargs.{k} is ignored: the chat template of {where} never reads {k}"
+        for k in (template_kwargs or {})
+        if not re.search(rf"\b{re.escape(str(k))}\b", text)
+    ]
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -260,6 +260,8 @@ def start(cfg: Any) -> Run:
             "default; verl's is false) drops overlong prompts first; set it false to cut them",
             file=sys.stderr,
         )
+    for line in data.unread_template_kwargs(tokenizer, cfg.data.apply_chat_template_kwargs):
+        fsdp.print0(line, file=sys.stderr)
     train = None if cfg.trainer.val_only else data.RLDataset(cfg.data.train_files, **ds_kwargs)
     val = data.RLDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
     for name, ds in (("train", train), ("val", val)):

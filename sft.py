@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -308,6 +309,8 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         skip_bad_rows=cfg.data.skip_bad_rows,
         chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
     )
+    for line in data.unread_template_kwargs(tokenizer, cfg.data.apply_chat_template_kwargs):
+        fsdp.print0(line, file=sys.stderr)
     train_ds = data.SFTDataset(cfg.data.train_files, **ds_kwargs)
     val_ds = data.SFTDataset(cfg.data.val_files, **ds_kwargs) if cfg.data.val_files else None
     if train_ds.skipped:

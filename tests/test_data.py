@@ -392,6 +392,12 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     n_think = len(enc(t, "<nothink>"))
     assert len(sft_off["input_ids"]) == len(sft_on["input_ids"]) + n_think
     assert sum(sft_off["loss_mask"]) == sum(sft_on["loss_mask"]) > 0
+    # a key the template never reads changes nothing: the scripts print one note naming it (none for a read one)
+    notes = data.unread_template_kwargs(t, {"enable_thinking": False, "reasoning_effort": "low"})
+    assert len(notes) == 1 and "apply_chat_template_kwargs.reasoning_effort is ignored" in notes[0]
+    assert data.unread_template_kwargs(make_tok(CHAT_TEMPLATE), {"enable_thinking": False})[0].endswith(
+        "never reads enable_thinking"
+    )
 
 
 def test_sampler_epochs_resume_and_rng_independence():
