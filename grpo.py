@@ -30,8 +30,10 @@ Estimators (`algorithm.adv_estimator`), per prompt group of n scores s_i:
     gpg                  alpha (s_i - mean), alpha = B / #(s != 0) over the batch   arXiv:2504.02546
     reinforce_plus_plus_baseline  s_i - mean, then whitened over the batch  (verl's; REINFORCE++ with a group
                          baseline, arXiv:2501.03262)
-With algorithm.use_kl_in_reward, s_i is the score less the response's summed KL penalty (REINFORCE++ alone
-gives each token its own return).
+    remax                s_i - the score of the prompt's greedy response     arXiv:2310.10505 (one more,
+                         greedy, generation a step; `remax_baselines`)
+With algorithm.use_kl_in_reward, s_i is the score less the response's summed KL penalty (REINFORCE++ and ReMax
+give each token its own return, the score less the penalty still to come).
 
 The objective is `policy_loss`, and nothing else in the repo owns it. `actor.policy_loss.loss_mode` picks the
 per-token surrogate l (`surrogate`; r = pi / pi_old per token, A the advantage, sg a stop-gradient), each as verl's
@@ -56,6 +58,7 @@ Where it deviates from verl's ray_trainer + dp_actor:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -95,9 +98,9 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     """Advantage estimation."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gpg", "reinforce_plus_plus_baseline"] = (
-        "grpo"
-    )
+    adv_estimator: Literal[
+        "grpo", "rloo", "reinforce_plus_plus", "gpg", "reinforce_plus_plus_baseline", "remax"
+    ] = "grpo"
     """Estimator; see the module docstring."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; False is Dr. GRPO."""
@@ -207,27 +210,44 @@ def whiten_by_tokens(
 
 
 def compute_advantages(
-    samples: list[actor.Sample], cfg: AlgorithmConfig, kl_ctrl: rl.KLController | None = None
+    samples: list[actor.Sample],
+    cfg: AlgorithmConfig,
+    kl_ctrl: rl.KLController | None = None,
+    baselines: list[actor.Sample] | None = None,
 ) -> dict[str, float]:
-    """Sets sample.advantages (one number per response, or [L] for REINFORCE++ with use_kl_in_reward) from the
-    scores, per prompt group (whitened over all ranks for REINFORCE++); returns the KL-in-reward metrics."""
+    """Sets sample.advantages (one number per response, or [L] for REINFORCE++ and ReMax with use_kl_in_reward)
+    from the scores, per prompt group (whitened over all ranks for REINFORCE++); returns the KL-in-reward metrics.
+
+    baselines: ReMax's scored greedy responses, one a prompt (`remax_baselines`); remax subtracts the score of
+    the one whose `group` is the sample's, as verl's compute_remax_outcome_advantage (no whitening)."""
     scores = torch.tensor([s.score for s in samples])  # [B]
     groups = torch.tensor([s.group for s in samples])  # [B]
+    if cfg.adv_estimator == "remax":
+        if baselines is None:
+            raise ValueError(
+                "algorithm.adv_estimator=remax needs the greedy baselines (grpo.remax_baselines)"
+            )
+        greedy = {b.group: b.score for b in baselines}
+        scores = scores - torch.tensor([greedy[s.group] for s in samples])  # [B]
     if cfg.use_kl_in_reward:
         lens = [len(s.response_ids) for s in samples]
         penalty, metrics = rl.kl_in_reward(samples, cfg.kl_penalty, kl_ctrl, max(lens, default=1))  # [B, R]
-        if cfg.adv_estimator == "reinforce_plus_plus":
-            # each token's return: the score less the penalty still to come
+        if cfg.adv_estimator in ("reinforce_plus_plus", "remax"):
+            # each token's return: the score less the penalty still to come (ReMax: less the baseline too)
             returns = scores[:, None] - penalty.flip(-1).cumsum(-1).flip(-1)  # [B, R]
-            mask = actor.mask_of(lens, torch.device("cpu"), penalty.shape[1])
-            adv = rl.global_whiten(returns, mask)
+            if cfg.adv_estimator == "reinforce_plus_plus":
+                returns = rl.global_whiten(
+                    returns, actor.mask_of(lens, torch.device("cpu"), penalty.shape[1])
+                )
             for i, s in enumerate(samples):
-                s.advantages = adv[i, : lens[i]]
+                s.advantages = returns[i, : lens[i]].float()
             return metrics
         scores = scores - penalty.sum(-1)  # the sum of the token rewards
     else:
         metrics = {}
-    if cfg.adv_estimator == "grpo":
+    if cfg.adv_estimator == "remax":
+        adv = scores
+    elif cfg.adv_estimator == "grpo":
         adv = group_advantages(scores, groups, norm_by_std=cfg.norm_adv_by_std_in_grpo)
     elif cfg.adv_estimator == "rloo":
         adv = rloo_advantages(scores, groups)
@@ -406,6 +426,20 @@ def policy_loss(
     return loss, metrics
 
 
+# ---------------------------------------------------------------------------------------- ReMax
+
+
+def remax_baselines(
+    run: rl.Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int
+) -> list[actor.Sample]:
+    """ReMax's baselines (arXiv:2310.10505, verl's adv_estimator=remax): one greedy response to each of the
+    engine's prompts, with the weights that sampled the step's rollouts; this rank keeps those to prompts[mine],
+    `group` indexing them as the samples' does. They are scored beside the samples and then dropped: nothing
+    trains on them."""
+    greedy = dataclasses.replace(run.cfg.rollout.train_sampling, n=1, do_sample=False, temperature=0.0)
+    return rl.generate(run, engine, prompts, mine, step, sampling=greedy)[0]
+
+
 # ---------------------------------------------------------------------------------- dynamic sampling
 
 
@@ -494,6 +528,13 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             "fails ('FX to symbolically trace a dynamo-optimized function'; H100, 2026-12-05)"
         )
     fg = cfg.algorithm.filter_groups
+    remax = cfg.algorithm.adv_estimator == "remax"
+    if remax and (fg.enable or cfg.rollout.async_steps):
+        raise SystemExit(
+            "error: algorithm.adv_estimator=remax needs algorithm.filter_groups.enable=false and "
+            f"rollout.async_steps=0 (got {fg.enable}, {cfg.rollout.async_steps}): its greedy baselines are "
+            "generated beside each step's rollouts"
+        )
     if fg.enable and cfg.rollout.async_steps:
         raise SystemExit(
             "error: algorithm.filter_groups.enable needs rollout.async_steps=0: dynamic sampling scores each round "
@@ -535,6 +576,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     elif ahead is None:
                         # the engine's prompts; this rank trains on prompts[mine]
                         prompts, mine = run.next_prompts()
+                        if remax:  # the greedy responses, whose scores are the baselines
+                            baselines = remax_baselines(run, engine, prompts, mine, step)
                         samples, prompts = rl.generate(run, engine, prompts, mine, step)
                     else:  # generated during the last step (one update old), or now at the first
                         samples, prompts = ahead.take(step)
@@ -543,6 +586,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     ahead.start(step + 1)
                 # 3. scores, in the reward workers while the engine sleeps and the passes below run
                 scores = scored.copy if fg.enable else rl.score_in_background(run, samples, prompts)
+                if remax:  # scored after the samples, in the same thread
+                    baseline_scores = rl.score_in_background(run, baselines, prompts)
                 if ahead is None:
                     engine.sleep()  # frees the KV cache (and weights) for the trainer
                 # 4. logprob passes
@@ -555,8 +600,14 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                         actor.compute_logprobs(ref, samples, cfg.actor, run.layout, temperature, ref=True)
                 with timer("reward"):
                     metrics = scores()  # waits for what is left of the scoring
+                    if remax:  # the baselines' pool metrics (their errors too), and their mean score
+                        metrics |= {f"remax/{k}": v for k, v in baseline_scores().items()}
+                        n_base = fsdp.all_reduce(float(len(baselines)))
+                        metrics["remax/baseline_reward_mean"] = fsdp.all_reduce(
+                            sum(b.score for b in baselines)
+                        ) / max(n_base, 1.0)
                 # 5. advantages
-                metrics |= compute_advantages(samples, cfg.algorithm, kl_ctrl)
+                metrics |= compute_advantages(samples, cfg.algorithm, kl_ctrl, baselines if remax else None)
                 # 6. the update, and the proof that the engine ran the trainer's weights
                 with timer("update"):
                     loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)

@@ -457,14 +457,21 @@ def sample(
 
 
 def generate(
-    run: Run, engine: rollout.Engine, prompts: list[dict], mine: slice, step: int, round_: int = 0
+    run: Run,
+    engine: rollout.Engine,
+    prompts: list[dict],
+    mine: slice,
+    step: int,
+    round_: int = 0,
+    sampling: rollout.SamplingConfig | None = None,
 ) -> tuple[list[actor.Sample], list[dict]]:
     """A training step's rollouts: rollout.n responses to each of the engine's prompts (at this step's and
-    round's seed), of which this rank keeps those to prompts[mine]. Returns (its samples, with `group` indexing
-    its prompts; its prompts)."""
+    round's seed; `sampling` instead of rollout.train_sampling when given), of which this rank keeps those to
+    prompts[mine]. Returns (its samples, with `group` indexing its prompts; its prompts)."""
     cfg = run.cfg
     seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp, round_)
-    samples = sample(engine, prompts, cfg.rollout.train_sampling, cfg.data.max_response_length, seed)
+    sampling = sampling or cfg.rollout.train_sampling
+    samples = sample(engine, prompts, sampling, cfg.data.max_response_length, seed)
     samples = [s for s in samples if mine.start <= s.group < mine.stop]
     for s in samples:
         s.group -= mine.start

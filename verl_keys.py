@@ -713,7 +713,7 @@ HYDRA_TARGET = Ignore(
 """The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
 
 HINTS = {
-    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline and gpg; ppo.py runs gae (with a critic)",
+    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg and remax; ppo.py runs gae (with a critic)",
     "rollout.name": "flatrl's engines: vllm, or hf (transformers' generate, for tests)",
 }
 

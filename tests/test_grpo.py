@@ -578,3 +578,84 @@ def test_reinforce_plus_plus_baseline_centres_per_group_then_whitens_over_tokens
     want = (torch.tensor(centred, dtype=torch.float64) - tokens.mean()) / (tokens.var() + 1e-8) ** 0.5
     assert torch.allclose(torch.tensor([s.advantages for s in samples], dtype=torch.float64), want, atol=1e-6)
     assert abs(samples[2].advantages - samples[3].advantages) < 1e-9 and abs(samples[2].advantages) < 0.2
+
+
+def test_remax_subtracts_the_greedy_score_and_with_kl_in_reward_each_token_its_return():
+    """ReMax (verl's compute_remax_outcome_advantage): a response's advantage is its score less the score of its
+    prompt's greedy response, not whitened; with use_kl_in_reward each token gets its return (the score less the
+    penalty from that token on) less the baseline."""
+    import actor
+    import fsdp
+    import rl
+
+    fsdp.init_distributed()
+    samples = [
+        actor.Sample([1], [2] * (k + 2), [0.0] * (k + 2), "stop", k // 2, score=float(k)) for k in range(4)
+    ]
+    baselines = [actor.Sample([1], [3], [0.0], "stop", g, score=b) for g, b in ((1, 0.5), (0, 2.0))]
+    cfg = grpo.AlgorithmConfig(adv_estimator="remax")
+    assert grpo.compute_advantages(samples, cfg, baselines=baselines) == {}
+    assert [s.advantages for s in samples] == [-2.0, -1.0, 1.5, 2.5]
+    with pytest.raises(ValueError, match="remax needs the greedy baselines"):
+        grpo.compute_advantages(samples, cfg)
+
+    g = torch.Generator().manual_seed(0)
+    for s in samples:
+        s.old_logprobs = -torch.rand(len(s.response_ids), generator=g)
+        s.ref_logprobs = -torch.rand(len(s.response_ids), generator=g)
+    beta = 0.3
+    kl = grpo.AlgorithmConfig(
+        adv_estimator="remax", use_kl_in_reward=True, kl_ctrl=rl.KLControlConfig(kl_coef=beta)
+    )
+    grpo.compute_advantages(samples, kl, rl.KLController(kl.kl_ctrl), baselines)
+    base = {0: 2.0, 1: 0.5}
+    for s in samples:
+        k = s.old_logprobs - s.ref_logprobs
+        want = s.score - base[s.group] - beta * torch.flip(torch.cumsum(torch.flip(k, [0]), 0), [0])
+        assert s.advantages.shape == want.shape and torch.allclose(s.advantages, want.float(), atol=1e-6)
+
+
+def test_remax_on_the_toy_scores_one_greedy_response_a_prompt(one_rank, toy_dir, tmp_path, monkeypatch):
+    """grpo.py with adv_estimator=remax on the toy (hf engine): each step generates one greedy response to each
+    prompt (the same one when generated twice), scores it, logs the baselines' mean score, and trains on each
+    sample's score less its prompt's baseline; with async rollouts it stops in one line."""
+    from conftest import read_metrics, toy_grpo_config
+
+    fn = tmp_path / "length_reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3)\n"
+    )
+    seen = []
+    real_baselines, real_advantages = grpo.remax_baselines, grpo.compute_advantages
+
+    def baselines(run, engine, prompts, mine, step):
+        out = real_baselines(run, engine, prompts, mine, step)
+        again = real_baselines(run, engine, prompts, mine, step + 7)  # another seed: greedy all the same
+        assert [b.response_ids for b in out] == [b.response_ids for b in again]
+        seen.append(out)
+        return out
+
+    def advantages(samples, cfg, kl_ctrl=None, baselines=None):
+        metrics = real_advantages(samples, cfg, kl_ctrl, baselines)
+        greedy = {b.group: b.score for b in baselines}
+        assert sorted(greedy) == sorted({s.group for s in samples}) and len(baselines) == len(greedy)
+        assert all(s.advantages == s.score - greedy[s.group] for s in samples)
+        return metrics
+
+    monkeypatch.setattr(grpo, "remax_baselines", baselines)
+    monkeypatch.setattr(grpo, "compute_advantages", advantages)
+    run_dir = tmp_path / "remax"
+    algorithm = grpo.AlgorithmConfig(adv_estimator="remax")
+    grpo.main(toy_grpo_config(toy_dir, run_dir, fn, steps=2, lr=1e-2, n=3, algorithm=algorithm))
+    rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
+    assert len(rows) == len(seen) == 2 and all(len(b) == 4 for b in seen)  # 4 prompts a step
+    for r, b in zip(rows, seen, strict=True):
+        assert r["remax/baseline_reward_mean"] == pytest.approx(sum(x.score for x in b) / len(b))
+    cfg = toy_grpo_config(
+        toy_dir, tmp_path / "async", fn, steps=2, lr=1e-2, algorithm=algorithm, rollout_kw={"async_steps": 1}
+    )
+    with pytest.raises(
+        SystemExit, match="remax needs algorithm.filter_groups.enable=false and rollout.async"
+    ):
+        grpo.main(cfg)
