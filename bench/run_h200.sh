@@ -34,8 +34,9 @@
 #   async      (no carry, ~8.5 min)    async at share 0.12 over 6 steps, the engine in this process (one CUDA
 #                                      context: the two sides' kernels interleave) and in its own (two contexts,
 #                                      time-sliced); 4 steps at 001eeb6 fell 14.5, 13.0, 8.7 s
-#   smollm2    (carry .gpu_smol4 .gpu_trl; the calls before it copied .gpu_smol1-3 into /tmp/smol_parts,
-#              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then flatrl with async + engine process
+#   smollm2    (carry .gpu_smol3 .gpu_smol4 .gpu_trl; a call before it copied .gpu_smol1-2 into /tmp/smol_parts,
+#              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then (unless ASYNC=0) flatrl with async +
+#                                      engine process
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,14 +195,14 @@ elif [ "$part" = async ]; then
     "${peers_from[@]}" --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --steps 6 \
     --out "$OUT/e2e_async6_engine_process.json"
 elif [ "$part" = smollm2 ]; then
-  mkdir -p /tmp/smol_parts && cp .gpu_smol4/* /tmp/smol_parts/ 2>/dev/null
+  mkdir -p /tmp/smol_parts && cp .gpu_smol[1-4]/* /tmp/smol_parts/ 2>/dev/null  # whichever parts this call carried
   run smollm2-unpack bash scripts/smollm2_payload.sh unpack
   run smollm2-convert python3 scripts/get_smollm2.py \
     --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
   run e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --peers trl --out "$OUT/e2e_smollm2.json"
   keep e2e_smollm2.json
-  run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
+  [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
   echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|compile|levers|levers2|fused|share|smollm2"; exit 2
