@@ -578,7 +578,7 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_async_steps": args.async_steps,
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
            "timeout_s": args.timeout_s,
-           "verl_override": args.verl_override,
+           "verl_override": args.verl_override, "verl_attention": args.verl_attention,
            "model_path": args.model_path, "lora": args.lora},
         "flatrl": {"pending": "runs first"},
         "trl": {"pending": "runs after flatrl"},
@@ -845,6 +845,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--verl-site", default="/tmp/verl_site", help="the unpacked verl payload, first on verl's PYTHONPATH"
+    )
+    p.add_argument(
+        "--verl-attention",
+        choices=["flash-shim", "sdpa-padded"],
+        default="flash-shim",
+        help="verl's attention: flash-shim, transformers' flash_attention_2 over verl's padding-free micro-batches, "
+        "through flatrl's flash-attn stand-in (bench/verl_flash_shim: torch's varlen flash kernel; the device has "
+        "no flash-attn wheel); sdpa-padded, sdpa over padded micro-batches (the runs before 2026-12-06)",
     )
     p.add_argument(
         "--verl-override",

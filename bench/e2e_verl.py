@@ -8,8 +8,9 @@ The run matches flatrl's (bench_e2e.py): the same random-init model folder, prom
 and reward (bench/e2e_reward.py's compute_score, verl's signature). Elsewhere verl keeps its defaults (the
 command goes into the result): FSDP2 with fp32 master weights and bf16 compute, gradient checkpointing on, dynamic
 micro-batches of `--token-budget` tokens, vLLM max_num_seqs 256 and max_num_batched_tokens 8192, one GPU with the
-hybrid engine (actor and vLLM colocated; the v1 "sync" trainer). One default changes: sdpa attention over padded
-micro-batches instead of flash-attention over packed ones (the device has no flash-attn; overrides() says why).
+hybrid engine (actor and vLLM colocated; the v1 "sync" trainer). flash-attn, which verl's padding-free micro-batches
+need, is flatrl's stand-in on torch's varlen flash kernel (the device has no flash-attn wheel; attention_overrides()
+says why, and `--verl-attention sdpa-padded` gives the earlier runs' sdpa over padded micro-batches).
 verl reads the prompt column as chat messages and always applies the tokenizer's chat template, so its parquet
 holds [{"role": "user", "content": letters}] and the template writes the content alone: the prompt is the same
 `--prompt-len` tokens that flatrl sends with `apply_chat_template: false`.
@@ -52,6 +53,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REWARD = BENCH / "e2e_reward.py"
 NO_TRL = BENCH / "verl_no_trl"
+FLASH_SHIM = BENCH / "verl_flash_shim"  # flatrl's flash-attn stand-in (attention_overrides says why)
 # The folder where verl's processes write their stacks on SIGUSR1 (bench/verl_no_trl/sitecustomize.py); set for
 # main_ppo alone, so its entry in a process's environment marks that process as one of the run's.
 STACKS_ENV = "FLATRL_VERL_STACKS"
@@ -100,12 +102,7 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
         "data.shuffle=False",
         f"actor_rollout_ref.model.path={model}",
         f'actor_rollout_ref.model.custom_chat_template="{RAW_TEMPLATE}"',
-        # verl asks transformers for flash_attention_2, and the device has no flash-attn (PyPI has only its
-        # sdist). sdpa instead, and padded micro-batches: transformers 5.9's sdpa lets the sequences of verl's
-        # packed (remove-padding) row attend to each other (logits off by 0.37 on a tiny Qwen2, CPU). With
-        # ignore_eos every sequence is prompt + response tokens long, so padding adds no tokens here.
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.model.use_remove_padding=False",
+        *attention_overrides(args),
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         *lora_overrides(args),
         f"{actor}.strategy=fsdp2",
@@ -147,6 +144,22 @@ def overrides(args, model: str, data: str, run_dir: str) -> list[str]:
     ]
 
 
+def attention_overrides(args) -> list[str]:
+    """verl's attention. verl asks transformers for flash_attention_2 over padding-free ("remove padding")
+    micro-batches, and the device has no flash-attn (PyPI has only its sdist, and no wheel is built for torch 2.11 +
+    CUDA 13). `--verl-attention flash-shim` (the default) keeps verl's own settings and puts flatrl's flash-attn
+    stand-in on verl's PYTHONPATH (`env`; bench/verl_flash_shim: torch's varlen flash kernel behind flash-attn's
+    API). `sdpa-padded`, the runs before 2026-12-06: sdpa over padded micro-batches, since transformers 5.9's sdpa
+    lets the sequences of a packed row attend to each other (logits off by 0.37 on a tiny Qwen2, CPU); with
+    ignore_eos every sequence is prompt + response tokens long, so padding adds no tokens there."""
+    if getattr(args, "verl_attention", "flash-shim") == "sdpa-padded":
+        return [
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.model.use_remove_padding=False",
+        ]
+    return ["actor_rollout_ref.model.use_remove_padding=True"]  # verl's default, stated
+
+
 def lora_overrides(args) -> list[str]:
     """verl's LoRA keys for the shape's LoRA (`args.lora`, None for full fine-tuning)."""
     if not args.lora:
@@ -166,7 +179,10 @@ def env(args, run_dir: str) -> dict[str, str]:
     e = dict(os.environ)
     # Not the repo root: flatrl's top-level modules (data, log, rollout, ...) must not shadow anything of verl's.
     # NO_TRL first: its sitecustomize hides the TRL peer's TRL from verl (the file says why).
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(NO_TRL), args.verl_site, e.get("PYTHONPATH")) if p)
+    shim = str(FLASH_SHIM) if getattr(args, "verl_attention", "flash-shim") == "flash-shim" else None
+    e["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(NO_TRL), shim, args.verl_site, e.get("PYTHONPATH")) if p
+    )
     e["VERL_FILE_LOGGER_PATH"] = f"{run_dir}/metrics.jsonl"
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # flatrl's in-process setting; verl's server runs its own
     e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not carried

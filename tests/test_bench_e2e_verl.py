@@ -106,9 +106,27 @@ def test_overrides_carry_the_bench_settings_and_user_overrides_win():
     )
     assert kv["trainer.total_training_steps"] == "3" and kv["trainer.logger"] == "[console,file]"
     assert kv["reward.custom_reward_function.path"].endswith("bench/e2e_reward.py")
-    assert kv["actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"  # no flash-attn there
-    assert kv["actor_rollout_ref.model.use_remove_padding"] == "False"  # sdpa would mix packed sequences
+    # verl's own attention: flash_attention_2 over padding-free micro-batches, through flatrl's flash-attn stand-in
+    assert kv["actor_rollout_ref.model.use_remove_padding"] == "True"
+    assert "actor_rollout_ref.model.override_config.attn_implementation" not in kv
     assert ov[-1] == "actor_rollout_ref.rollout.max_num_seqs=512"
+    padded = dict(
+        o.lstrip("+").split("=", 1)
+        for o in e2e_verl.overrides(bench_args("--verl-attention", "sdpa-padded"), "/m", "/d", "/r")
+    )
+    assert (
+        padded["actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"
+    )  # the earlier runs'
+    assert padded["actor_rollout_ref.model.use_remove_padding"] == "False"  # sdpa would mix packed sequences
+
+
+def test_verl_finds_the_flash_attn_stand_in_only_when_asked(tmp_path):
+    """The stand-in is on verl's PYTHONPATH with the default --verl-attention, and not with sdpa-padded."""
+    code = "import importlib.util; print(importlib.util.find_spec('flash_attn') is not None)"
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)  # noqa: E731
+    for attention, want in (("flash-shim", "True"), ("sdpa-padded", "False")):
+        args = argparse.Namespace(verl_site=str(tmp_path / "verl_site"), verl_attention=attention)
+        assert run(e2e_verl.env(args, str(tmp_path))).stdout.strip() == want
 
 
 def test_peers_flags():
