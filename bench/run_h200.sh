@@ -31,6 +31,8 @@
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
+#   levers3    (no carry, ~8 min est.) flatrl alone at 0.5b: --use-fused-kernels --checkpoint-layers auto; then
+#                                      --compile-layers --async-steps 1 --engine-process at share 0.12 over 6 steps
 #   async      (no carry, ~8.5 min)    async at share 0.12 over 6 steps, the engine in this process (one CUDA
 #                                      context: the two sides' kernels interleave) and in its own (two contexts,
 #                                      time-sliced); 4 steps at 001eeb6 fell 14.5, 13.0, 8.7 s
@@ -188,6 +190,14 @@ elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0
     --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --out "$OUT/e2e_share012_async.json"
   run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
+elif [ "$part" = levers3 ]; then  # the two levers not yet measured end to end (2026-12-06): the fused LM head with
+  # auto checkpointing (no [B, T, V] logits, so fewer layers recompute), and compiled layers with the engine generating
+  # ahead in its own process (grpo.py refuses compile + async with an in-process engine)
+  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --use-fused-kernels --checkpoint-layers auto --out "$OUT/e2e_fused_auto.json"
+  run e2e-compiled-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+    --compile-layers --async-steps 1 --engine-process --gpu-memory-utilization 0.12 --steps 6 \
+    --out "$OUT/e2e_compiled_async.json"
 elif [ "$part" = async ]; then
   run e2e-async6-inprocess python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --async-steps 1 --steps 6 --out "$OUT/e2e_async6_inprocess.json"
@@ -205,6 +215,6 @@ elif [ "$part" = smollm2 ]; then
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|compile|levers|levers2|fused|share|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|compile|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
