@@ -122,6 +122,9 @@ class AlgorithmConfig:
     at rollout.temperature 1 (the engine reports temperature-1 logprobs)."""
     rollout_is: bool = False
     """Multiply each token's policy loss by its truncated weight; False: the mismatch/* metrics only."""
+    rollout_is_level: Literal["token", "sequence"] = "token"
+    """token: each token's own ratio (TIS); sequence: every token of a response weighs the product of its tokens'
+    ratios, truncated at rollout_is_threshold (verl's rollout_is=sequence: unbiased, higher variance)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling; see FilterGroupsConfig."""
 
@@ -399,13 +402,17 @@ def policy_loss(
     pg, clipped, clipped_lower = surrogate(logprobs, old, adv, mb.mask, a)
     if cfg.algorithm.rollout_is_threshold is not None:  # the trainer's and the engine's numbers differ (TIS)
         log_w = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
+        metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
+        sequence = cfg.algorithm.rollout_is_level == "sequence"
+        if sequence:  # each response's product of ratios, on all its tokens (clamped in log space, as verl)
+            log_w = ((log_w * mb.mask).sum(-1, keepdim=True).clamp(-20.0, 20.0)).expand_as(log_w)  # [S, R]
         w = torch.exp(torch.clamp(log_w, max=math.log(cfg.algorithm.rollout_is_threshold)))
         metrics["mismatch/rollout_is_mean"] = mb.token_mean(w)
         high = log_w > math.log(cfg.algorithm.rollout_is_threshold)
         metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
-        metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
         if cfg.algorithm.rollout_is:
-            if a.policy_loss.loss_mode == "geo_mean":  # a sequence's weight: its tokens' geometric mean
+            # geo_mean at the token level: a sequence's weight is its tokens' geometric mean
+            if a.policy_loss.loss_mode == "geo_mean" and not sequence:
                 n = mb.mask.sum(-1, keepdim=True).clamp(min=1)  # [S, 1]
                 w = torch.exp((torch.log(w) * mb.mask).sum(-1, keepdim=True) / n)
             pg = pg * w.detach()

@@ -648,16 +648,18 @@ def _rollout_correction(entries: dict[str, tuple[Any, str]], out: Result) -> Non
                 "with algorithm.rollout_correction.rollout_is)"
             )
         return
-    if plain(level[0]) != "token":
+    if plain(level[0]) not in ("token", "sequence"):
         raise ValueError(
             f"{level[1]}: algorithm.rollout_correction.rollout_is={_text(level[0])} cannot be honoured: flatrl "
-            "weighs each token (token, truncated as TIS); sequence-level weights are not implemented"
+            "weighs each token or each sequence (token, sequence), truncated as TIS"
         )
     entries["algorithm.rollout_is"] = (True, level[1])
+    entries["algorithm.rollout_is_level"] = (plain(level[0]), level[1])
     entries["algorithm.rollout_is_threshold"] = threshold or (2.0, level[1])
     out.note(
-        "mapped: algorithm.rollout_correction.rollout_is=token, rollout_is_threshold -> algorithm.rollout_is, "
-        "algorithm.rollout_is_threshold" + ("" if threshold else " (2.0, verl's default)")
+        f"mapped: algorithm.rollout_correction.rollout_is={plain(level[0])}, rollout_is_threshold -> "
+        "algorithm.rollout_is, rollout_is_level, algorithm.rollout_is_threshold"
+        + ("" if threshold else " (2.0, verl's default)")
     )
     if "rollout.logprob_check_prompts" not in entries:  # the weights need every sample's engine logprobs
         entries["rollout.logprob_check_prompts"] = (-1, level[1])

@@ -558,7 +558,7 @@ GRPO: dict[str, Rule] = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": Map("actor.policy_loss.loss_mode"),
     "algorithm.rollout_is": Map("algorithm.rollout_is"),
     "algorithm.rollout_is_threshold": Map("algorithm.rollout_is_threshold"),
-    "algorithm.rollout_is_level": Only(("token",), "grpo.py weighs each token (verl's token level)"),
+    "algorithm.rollout_is_level": Map("algorithm.rollout_is_level"),
     "algorithm.rollout_is_mode": Only(("truncate",), "grpo.py truncates the weights (TIS); no masking"),
     "algorithm.rollout_is_threshold_lower": Ignore("truncate mode bounds the weights from above only"),
     "algorithm.rollout_is_veto_threshold": Only((None,), "no veto of whole sequences"),

@@ -504,6 +504,41 @@ def test_rollout_importance_sampling_weights_each_token_truncated(one_rank, tiny
     assert abs(float(grpo.policy_loss(model, mb, metrics_only, None)[0]) - plain) < 1e-5
 
 
+def test_sequence_level_rollout_is_weighs_each_response_by_its_truncated_product(
+    one_rank, tiny_qwen2
+) -> None:
+    """algorithm.rollout_is_level=sequence (verl's rollout_is=sequence): every token of a response weighs
+    min(prod_t pi_trainer / pi_engine, threshold). Sample 0's engine at 0.8x the trainer per token gives
+    1.25^L (truncated at 2 once L >= 4), sample 1's at 1.1x gives (1/1.1)^L, the others 1."""
+    import actor
+
+    device = one_rank.device
+    model, _, _ = _tiny_policy(tiny_qwen2, device)
+    samples = _random_samples()
+    layout = actor.Layout(True, 0, device)
+    actor.compute_logprobs(model, samples, _grpo_cfg().actor, layout, 1.0)
+    for k, s in enumerate(samples):
+        shift = {0: math.log(0.8), 1: math.log(1.1)}.get(k, 0.0)  # log pi_engine - log pi_trainer, per token
+        s.rollout_logprobs = (s.old_logprobs + shift).tolist()
+    n0, n1 = len(samples[0].response_ids), len(samples[1].response_ids)
+    weights = [min(1.25**n0, 2.0), (1 / 1.1) ** n1] + [1.0] * (len(samples) - 2)
+    tokens = sum(len(s.response_ids) for s in samples)
+    mb = actor.MicroBatch.of(samples, layout, global_tokens=tokens, global_seqs=len(samples))
+    for s in samples:
+        s.old_logprobs = None
+    algorithm = grpo.AlgorithmConfig(rollout_is_threshold=2.0, rollout_is=True, rollout_is_level="sequence")
+    loss, m = grpo.policy_loss(model, mb, dataclasses.replace(_grpo_cfg(), algorithm=algorithm), None)
+    want = (
+        sum(-s.advantages * w * len(s.response_ids) for s, w in zip(samples, weights, strict=True)) / tokens
+    )
+    assert abs(float(loss) - want) < 1e-5, (float(loss), want)
+    high = n0 if 1.25**n0 > 2.0 else 0
+    assert abs(float(m["mismatch/rollout_is_ratio_fraction_high"]) - high / tokens) < 1e-6
+    token_level = dataclasses.replace(algorithm, rollout_is_level="token")
+    other = grpo.policy_loss(model, mb, dataclasses.replace(_grpo_cfg(), algorithm=token_level), None)[0]
+    assert abs(float(other) - want) > 1e-4  # the token level weighs the same responses differently
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
 def test_kl_in_reward(estimator):
     """algorithm.use_kl_in_reward (verl's apply_kl_penalty, its REINFORCE++ and RLOO examples): each token's reward

@@ -710,7 +710,8 @@ def test_pieces_of_a_full_verl_config(tmp_path, monkeypatch, capsys):
 
 def test_rollout_correction_token_is(tmp_path):
     """verl 0.7+'s algorithm.rollout_correction.rollout_is=token is grpo.py's truncated IS: the threshold given
-    or verl's 2.0, every sample's engine logprobs; sequence-level weights and ppo.py refuse by name; the threshold
+    or verl's 2.0, every sample's engine logprobs; rollout_is=sequence is rollout_is_level=sequence; another level and
+    ppo.py refuse by name; the threshold
     alone (in every verl trainer config) changes nothing."""
     key = "algorithm.rollout_correction"
     c, err = print_config("grpo.py", [f"{key}.rollout_is=token"], grpo.GRPOConfig, tmp_path, world_size=None)
@@ -724,6 +725,11 @@ def test_rollout_correction_token_is(tmp_path):
     c, _ = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=None)
     assert c.algorithm.rollout_is_threshold == 3.5
     c, err = print_config(
+        "grpo.py", [f"{key}.rollout_is=sequence"], grpo.GRPOConfig, tmp_path, world_size=None
+    )
+    assert (c.algorithm.rollout_is, c.algorithm.rollout_is_level) == (True, "sequence")
+    assert "mapped: algorithm.rollout_correction.rollout_is=sequence" in err
+    c, err = print_config(
         "grpo.py", [f"{key}.rollout_is_threshold=5"], grpo.GRPOConfig, tmp_path, world_size=None
     )
     assert (
@@ -731,7 +737,7 @@ def test_rollout_correction_token_is(tmp_path):
         and "ignored: algorithm.rollout_correction.rollout_is_threshold" in err
     )
     for script, arg, needle in [
-        ("grpo.py", f"{key}.rollout_is=sequence", "sequence-level weights are not implemented"),
+        ("grpo.py", f"{key}.rollout_is=geometric", "weighs each token or each sequence (token, sequence)"),
         ("grpo.py", f"{key}.rollout_is_batch_normalize=true", "not renormalised"),
         ("ppo.py", f"{key}.rollout_is=token", "algorithm.rollout_is=true cannot be honoured"),
     ]:
