@@ -23,6 +23,7 @@
 #   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
 #                                      own process session, flatrl's figures from the defaults part's JSON on this
 #                                      machine (--flatrl-from), so the ratios come out; follows it for WAIT_S s
+#                                      (VERL_ATTENTION=sdpa-padded: the runs before 2026-12-06, no flash-attn stand-in)
 #   verl-wait  (no carry)              follows that verl run to its end (send it at once: the machine goes back
 #                                      30 s after a call); start-up alone took over 320 s on an H100
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
@@ -151,6 +152,7 @@ elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
     [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
     rm -rf "$vdir" && mkdir -p "$vdir"
     cmd=(python3 bench/bench_e2e.py --model "$MODEL" "${model_args[@]}" --workdir "$WORK" --peers verl "${from_args[@]}"
+      --verl-attention "${VERL_ATTENTION:-flash-shim}"
       --verl-steps "${VERL_STEPS:-3}" --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$vdir/e2e_verl_$MODEL.json")
     echo "== e2e-verl-$MODEL (own session): ${cmd[*]}"
     # every descriptor of its own away from this call's (the log's tee, the device's capture), so nothing waits on it
