@@ -177,9 +177,12 @@ class ActorConfig:
     """Optimizer and schedule."""
 
 
-def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tuple[torch.nn.Module, dict]:
+def load(
+    cfg: ModelConfig, device: torch.device, value_head: bool = False, dtype: torch.dtype | None = None
+) -> tuple[torch.nn.Module, dict]:
     """The model at cfg.path (with a scalar value head for ppo.py's critic), FSDP2-sharded on `device`, and the
-    files a checkpoint needs to describe it (checkpoint.save_checkpoint's hf_files)."""
+    files a checkpoint needs to describe it (checkpoint.save_checkpoint's hf_files). Its weights are stored in
+    `dtype` (None: model.fsdp_config.model_dtype)."""
     layers = cfg.gradient_checkpointing_layers
     if cfg.enable_gradient_checkpointing and layers == "auto":
         raise ValueError(
@@ -194,6 +197,7 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
         value_head=value_head,
         checkpoint_layers=None if layers == "all" else layers,
         config_overrides=cfg.override_config,
+        dtype=dtype or getattr(torch, cfg.fsdp_config.model_dtype),
     )
     sp.setup(model, cfg.fsdp_config.ulysses_sequence_parallel_size, device.type, cfg.use_remove_padding)
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))
@@ -214,10 +218,13 @@ def load(cfg: ModelConfig, device: torch.device, value_head: bool = False) -> tu
 
 def load_reference(cfg: ModelConfig, policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The frozen reference policy: with LoRA the policy itself (compute_logprobs(ref=True) turns its adapters
-    off, so no second copy), else a second sharded copy of the starting weights."""
+    off, so no second copy), else a second sharded copy of the starting weights, stored on GPU in the compute
+    dtype (as verl's reference): FSDP2 casts fp32 weights to it anyway, so the logprobs are the same bits at half
+    the memory of an fp32 copy."""
     if cfg.lora_rank > 0:
         return policy
-    return load(cfg, device)[0].eval().requires_grad_(False)
+    dtype = getattr(torch, cfg.fsdp_config.param_dtype) if device.type == "cuda" else None
+    return load(cfg, device, dtype=dtype)[0].eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------- samples, batches

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,13 @@ class FSDPConfig:
     """How a model is sharded and where its state lives."""
 
     param_dtype: str = "bfloat16"
-    """Compute dtype on GPU (master weights, optimizer state and gradient reduction stay fp32). CPU always uses fp32."""
+    """Compute dtype on GPU (gradient reduction stays fp32; the stored weights are model_dtype). CPU always computes
+    in the stored dtype."""
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the stored, sharded weights that train (the master copy), their gradients and the AdamW state, as
+    verl's fsdp_config.model_dtype: float32, 16 bytes a parameter; bfloat16, 8, on any device. bf16 weights lose
+    every update smaller than their spacing (2^-8 of the weight: at lr 1e-6 most AdamW steps round away), so it is
+    for memory that float32 cannot fit. The frozen reference is stored in param_dtype on GPU either way."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (slower; for models that do not fit)."""
     offload_optimizer_in_rollout: bool = True
@@ -299,10 +305,11 @@ def load_model(
     value_head: bool = False,
     checkpoint_layers: int | None = None,
     config_overrides: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in fp32.
+    """Loads a Hugging Face causal LM (a hub id such as `Qwen/Qwen2.5-0.5B-Instruct` or a local folder) in `dtype`.
 
-    fp32 is the master copy: FSDP2's mixed precision casts to bf16 for compute on GPU.
+    fp32 is the master copy (FSDPConfig.model_dtype): FSDP2's mixed precision casts to bf16 for compute on GPU.
     attn_implementation: "sdpa" becomes attention.VARLEN on CUDA (identical on padded batches; padding-free batches run
         the variable-length kernel); attention.VARLEN can also be asked for by name (on CPU: the exact fallback kernel).
     value_head: load the backbone with a scalar head instead of the LM head (PPO's critic, as verl's:
@@ -320,7 +327,7 @@ def load_model(
     ):
         attn_implementation = attention.register_varlen_attention()  # sdpa, plus the padding-free path
     kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
     if value_head or config_overrides:
         extra = dict(num_labels=1) if value_head else {}
@@ -465,7 +472,7 @@ def shard_model(model: nn.Module, device: torch.device, cfg: FSDPConfig) -> nn.M
     """Moves `model` to `device` and wraps it with `fully_shard` per decoder layer, then the root.
 
     Args:
-        model: a Hugging Face model in fp32 (load_model).
+        model: a Hugging Face model in its stored dtype (load_model: fp32 unless FSDPConfig.model_dtype).
         device: this rank's device (Dist.device).
         cfg: mixed precision, offload, resharding and the mesh (`hsdp_shard_size`, see device_mesh).
     Returns:

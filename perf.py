@@ -338,9 +338,10 @@ def _micro_batch_tokens(cfg: Any, sp_size: int = 1) -> int:
 def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: float | None) -> dict:
     """The estimate behind `plan` (bytes):
 
-    trainer, resident    fp32 params 4P/W + AdamW 8P/W (+ fp32 reference 4P/W with a KL loss and no LoRA),
+    trainer, resident    fp32 params 4P/W + AdamW 8P/W, half of each with fsdp_config.model_dtype bfloat16 (+ the
+                         reference in param_dtype, bf16 2P/W, with a KL loss and no LoRA),
                          W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
-                         gradients fp32 4P/W during the update only (freed by zero_grad(set_to_none));
+                         gradients 4P/W (bf16: 2P/W) during the update only (freed by zero_grad(set_to_none));
                          with offload_optimizer_in_rollout the AdamW state is off the device from its build
                          and from each push until the update's first optimizer step (sync, gen, old_logprob;
                          in the update too when that step is its only one, except by what the state exceeds
@@ -358,7 +359,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          cache, its activations); while it sleeps ENGINE_ASLEEP_BYTES (the whole budget in
                          every phase without free_cache_engine, or with rollout.async_steps=1)
     every phase          + CUDA_CONTEXT_BYTES
-    PPO (cfg.critic)     + the critic's fp32 params 4P/W and AdamW 8P/W (its own fsdp_config; AdamW off the device
+    PPO (cfg.critic)     + the critic's params and AdamW, as the actor's by its own fsdp_config (AdamW off the device
                          in rollout like the actor's); the reference also with algorithm.use_kl_in_reward; an
                          "update_critic" phase: critic gradients, activations of a critic micro-batch, its
                          unsharded copies, no logits (a scalar head)
@@ -368,10 +369,13 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     lora = getattr(cfg.model, "lora_rank", 0) > 0
     algorithm = getattr(cfg, "algorithm", None)  # PPO's KL-in-reward also needs the reference
     kl = getattr(cfg.actor, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False)
-    ref = 4 * P / W if kl and not lora else 0.0
-    params = 0.0 if fs.cpu_offload else 4 * P / W
-    adam = 0.0 if fs.cpu_offload else 8 * P / W
-    grads = 0.0 if fs.cpu_offload else 4 * P / W
+    b = _BYTES[
+        getattr(fs, "model_dtype", "float32")
+    ]  # the stored weights', gradients' and AdamW moments' dtype
+    ref = _BYTES[getattr(fs, "param_dtype", "bfloat16")] * P / W if kl and not lora else 0.0
+    params = 0.0 if fs.cpu_offload else b * P / W
+    adam = 0.0 if fs.cpu_offload else 2 * b * P / W
+    grads = 0.0 if fs.cpu_offload else b * P / W
     unsharded = 2 * (shape.vocab * shape.hidden + shape.hidden) + 4 * shape.layer_matmul_params
     sp_size = getattr(fs, "ulysses_sequence_parallel_size", 1)
     T = _micro_batch_tokens(cfg, sp_size) / sp_size  # this rank's share
@@ -395,8 +399,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     c_adam = c_rollout_adam = 0.0
     if critic is not None:
         c_off = critic.model.fsdp_config.cpu_offload
-        base["critic params"] = 0.0 if c_off else 4 * P / W
-        c_adam = 0.0 if c_off else 8 * P / W
+        cb = _BYTES[getattr(critic.model.fsdp_config, "model_dtype", "float32")]
+        base["critic params"] = 0.0 if c_off else cb * P / W
+        c_adam = 0.0 if c_off else 2 * cb * P / W
         c_rollout_adam = 0.0 if offload_in_rollout else c_adam
     phases = {
         "gen": base | {"optimizer": rollout_adam, "engine": engine},
@@ -423,12 +428,15 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
         "optimizer": rollout_adam,
         "critic optimizer": c_adam,
-        "critic grads": 0.0 if critic.model.fsdp_config.cpu_offload else 4 * P / W,
+        "critic grads": 0.0 if c_off else cb * P / W,
         "engine asleep": asleep,
         "unsharded": unsharded,
         "activations": activation_bytes_per_token(shape, c_ckpt) * Tc,
     }
     return phases
+
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _one_step(cfg: Any) -> bool:

@@ -322,6 +322,7 @@ def main(cfg: SFTConfig) -> dict[str, float]:
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         config_overrides=cfg.model.override_config,
+        dtype=getattr(torch, cfg.model.fsdp_config.model_dtype),
     )
     sp_size = cfg.model.fsdp_config.ulysses_sequence_parallel_size
     sp.setup(model, sp_size, d.device.type, cfg.model.use_remove_padding)

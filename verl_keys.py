@@ -109,6 +109,15 @@ def _fsdp_size(value: Any) -> int:
     return value
 
 
+def _model_dtype(value: Any) -> str:
+    """verl's fsdp_config.model_dtype (its PrecisionType names) as fsdp.FSDPConfig.model_dtype."""
+    names = {32: "float32", "32": "float32", "fp32": "float32", "float32": "float32"}
+    names |= {"bf16": "bfloat16", "bfloat16": "bfloat16"}
+    if value not in names:
+        raise ValueError(f"want fp32/float32 or bf16/bfloat16 (fp16 would need a loss scaler), got {value!r}")
+    return names[value]
+
+
 def _sharding(value: Any) -> bool:
     """FSDP1's sharding_strategy as FSDP2's reshard_after_forward."""
     choices = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
@@ -147,11 +156,13 @@ def _fsdp(ours: str) -> dict[str, Rule]:
         "reshard_after_forward": Map(f"{ours}.reshard_after_forward"),
         "fsdp_size": Map(f"{ours}.hsdp_shard_size", convert=_fsdp_size, why="-1 becomes 0: all ranks"),
         "dtype": Map(f"{ours}.param_dtype"),
-        "model_dtype": Only(
-            ("fp32", "float32", None), "master weights are fp32; param_dtype is the compute dtype"
+        "model_dtype": Map(
+            f"{ours}.model_dtype",
+            convert=_model_dtype,
+            why="the stored weights', gradients' and AdamW's dtype",
         ),
         "mixed_precision.*": Ignore(
-            "compute in fsdp_config.param_dtype, reduction and master weights in fp32"
+            "compute in fsdp_config.param_dtype, reduction in fp32, weights in fsdp_config.model_dtype"
         ),
         "wrap_policy.*": Ignore("each decoder layer is one FSDP unit"),
         "forward_prefetch": Ignore(SPEED),
@@ -635,8 +646,10 @@ SFT_DATA: dict[str, Rule] = {
 # model.*: partial_pretrain, trust_remote_code, enable_gradient_checkpointing, lora_rank, lora_alpha,
 # target_modules and fsdp_config.cpu_offload are flatrl's names.
 SFT_MODEL: dict[str, Rule] = {
-    "fsdp_config.model_dtype": Only(
-        ("fp32", "float32", None), "master weights are fp32; param_dtype computes"
+    "fsdp_config.model_dtype": Map(
+        "model.fsdp_config.model_dtype",
+        convert=_model_dtype,
+        why="the stored weights', gradients' and AdamW's dtype",
     ),
     "fsdp_config.wrap_policy.*": Ignore("each decoder layer is one FSDP unit"),
     "fsdp_config.offload_params": Ignore(f"{OFFLOAD}, with model.fsdp_config.cpu_offload"),

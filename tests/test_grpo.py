@@ -694,3 +694,23 @@ def test_remax_on_the_toy_scores_one_greedy_response_a_prompt(one_rank, toy_dir,
         SystemExit, match="remax needs algorithm.filter_groups.enable=false and rollout.async"
     ):
         grpo.main(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_reference_gives_the_fp32_policys_logprobs(one_rank, tiny_qwen2):
+    """actor.load_reference stores the frozen copy in the compute dtype on GPU (as verl's reference): FSDP2 casts
+    the fp32 policy to bf16 for every forward anyway, so the logprobs are the same bits at half the memory."""
+    import actor
+
+    cfg, device = _grpo_cfg(), one_rank.device
+    mcfg = actor.ModelConfig(path=str(tiny_qwen2), enable_gradient_checkpointing=False)
+    policy, _ = actor.load(mcfg, device)
+    ref = actor.load_reference(mcfg, policy, device)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    mine, theirs = _random_samples(), _random_samples()
+    actor.compute_logprobs(policy, mine, cfg.actor, actor.Layout(True, 0, device), 1.0)
+    actor.compute_logprobs(ref, theirs, cfg.actor, actor.Layout(True, 0, device), 1.0, ref=True)
+    for a, b in zip(mine, theirs, strict=True):
+        assert torch.equal(a.old_logprobs, b.ref_logprobs), (a.old_logprobs, b.ref_logprobs)

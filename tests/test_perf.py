@@ -101,6 +101,14 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     # six layers recomputing keep their inputs, the other 18 all of theirs
     assert perf.activation_bytes_per_token(shape, 6) == 18 * per_token_layer + 6 * 2 * 896 + per_token_layer
     assert perf.activation_bytes_per_token(shape, 0) * T == up["activations"]
+    # bf16 stored weights (fsdp_config.model_dtype): weights, gradients and AdamW moments at half the bytes
+    half = _plan_cfg(str(tmp_path))
+    half.model = dataclasses.replace(
+        half.model, fsdp_config=dataclasses.replace(half.model.fsdp_config, model_dtype="bfloat16")
+    )
+    hu = perf.plan(half, world_size=1, device_total=140 * GiB).phases["update"]
+    assert (hu["params"], hu["grads"], hu["optimizer"]) == (2 * P, 2 * P, 4 * P)
+    assert sum(up.values()) - sum(hu.values()) == 8 * P
     # four ranks: the sharded states shrink four times, the activations stay
     four = perf.plan(_plan_cfg(str(tmp_path)), world_size=4, device_total=140 * GiB).phases["update"]
     assert four["optimizer"] == 2 * P and four["activations"] == up["activations"]
@@ -445,9 +453,10 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
     phases = perf.plan(cfg, world_size=2, device_total=140 * GiB).phases
     plain = perf.plan(grpo_cfg, world_size=2, device_total=140 * GiB).phases
     for name in ("gen", "old_logprob", "update", "sync"):
-        assert phases[name]["critic params"] == 2 * P and phases[name]["reference"] == 2 * P
+        # the reference is stored in the compute dtype (bf16): 2 bytes a parameter over 2 ranks
+        assert phases[name]["critic params"] == 2 * P and phases[name]["reference"] == P
         assert phases[name]["critic optimizer"] == 4 * P
-        assert sum(phases[name].values()) == sum(plain[name].values()) + 8 * P  # critic 6P/rank, reference 2P
+        assert sum(phases[name].values()) == sum(plain[name].values()) + 7 * P  # critic 6P/rank, reference P
     crit = phases["update_critic"]
     assert crit["critic grads"] == 2 * P and "logits" not in crit
     assert crit["activations"] == 4 * 768 * perf.activation_bytes_per_token(

@@ -427,6 +427,28 @@ def test_verl_fused_kernels_reach_the_policy_only(capsys):
     assert "ignored: critic.model.use_fused_kernels=True" in err  # model.* keys move silently, as named
 
 
+def test_verl_model_dtype_reaches_each_model(capsys):
+    """verl's fsdp_config.model_dtype (bf16 master weights in its gpt-oss and multi-turn examples) sets the stored
+    dtype of the policy, the critic and SFT's model, by verl's names; fp16 is refused naming the key."""
+    c = config.parse(grpo.GRPOConfig, ["+actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"])
+    assert (
+        c.model.fsdp_config.model_dtype == "bfloat16"
+        and grpo.GRPOConfig().model.fsdp_config.model_dtype == "float32"
+    )
+    k = config.parse(ppo.PPOConfig, ["critic.model.fsdp_config.model_dtype=bfloat16"])
+    assert (k.critic.model.fsdp_config.model_dtype, k.model.fsdp_config.model_dtype) == (
+        "bfloat16",
+        "float32",
+    )
+    s = config.parse(sft.SFTConfig, ["model.fsdp_config.model_dtype=fp32"])
+    assert s.model.fsdp_config.model_dtype == "float32"
+    with pytest.raises(SystemExit) as e:
+        config.parse(grpo.GRPOConfig, ["actor_rollout_ref.actor.fsdp_config.model_dtype=fp16"])
+    msg = str(e.value.code)
+    assert "actor_rollout_ref.actor.fsdp_config.model_dtype" in msg and "bf16/bfloat16" in msg, msg
+    assert "\n" not in msg
+
+
 def test_overrides_and_precedence(tmp_path, capsys):
     path = tmp_path / "x.yaml"
     path.write_text("actor:\n  ppo_epochs: 4\n  optim: {lr: 3e-6}\ntrainer: {experiment_name: from-yaml}\n")
