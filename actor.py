@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -88,12 +89,28 @@ class ModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    exclude_modules: str | list[str] | None = None
+    """Modules LoRA leaves out even where target_modules names them (verl's and PEFT's exclude_modules): a string
+    is a regex the whole module name must match (re.fullmatch; verl's example `.*visual.*`), a list holds names
+    or name suffixes. An exclusion that leaves no module to wrap is an error."""
+    lora_adapter_path: str | None = None
+    """A saved PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, as PEFT and
+    `shard_merge.py --adapter-only` write it) to start from instead of fresh adapters, as verl's key: LoRA is on
+    even with lora_rank 0, and the folder's r, lora_alpha, target_modules, exclude_modules and lora_dropout
+    replace this config's (each change said on stderr). Read with safetensors only; a tensor that lands on no
+    LoRA parameter, a parameter left without one, or a shape mismatch is an error naming the tensor. The reference
+    policy is the base model with no adapter (verl's ref_in_actor)."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Settings put on the model's config before it is built, in the trainer and in the rollout engine (verl's
     model.override_config; DAPO's recipe: `+actor_rollout_ref.model.override_config.attention_dropout=0.`). A name
     the config lacks is set anyway and said on stderr."""
     fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
     """Sharding, mixed precision and offload."""
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA is on: a rank, or a saved adapter to start from (verl: either one)."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
     def __post_init__(self) -> None:
         if self.compile_layers and self.fsdp_config.ulysses_sequence_parallel_size > 1:
@@ -201,12 +218,17 @@ def load(
     )
     sp.setup(model, cfg.fsdp_config.ulysses_sequence_parallel_size, device.type, cfg.use_remove_padding)
     hf_files = dict(config=model.config, generation_config=getattr(model, "generation_config", None))
-    if cfg.lora_rank > 0 and not value_head:
-        wrapped = lora.apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.target_modules)
-        targets = sorted({w.rsplit(".", 1)[-1] for w in wrapped})
-        hf_files["lora"] = dict(
-            rank=cfg.lora_rank, alpha=cfg.lora_alpha, base_model_name_or_path=cfg.path, target_modules=targets
+    if cfg.uses_lora and value_head:
+        fsdp.print0(
+            "critic.model.lora_rank, lora_adapter_path and exclude_modules are ignored: the critic trains every "
+            "weight (its value head is new)",
+            file=sys.stderr,
         )
+    elif cfg.uses_lora:
+        settings, notes = lora.start_lora(model, cfg)
+        for line in notes:
+            fsdp.print0(line, file=sys.stderr)
+        hf_files["lora"] = dict(settings, base_model_name_or_path=cfg.path)
     if cfg.use_fused_kernels and value_head:
         fsdp.print0("critic.model.use_fused_kernels is ignored: a value head has no vocabulary to fuse")
     elif cfg.use_fused_kernels:
@@ -221,7 +243,7 @@ def load_reference(cfg: ModelConfig, policy: torch.nn.Module, device: torch.devi
     off, so no second copy), else a second sharded copy of the starting weights, stored on GPU in the compute
     dtype (as verl's reference): FSDP2 casts fp32 weights to it anyway, so the logprobs are the same bits at half
     the memory of an fp32 copy."""
-    if cfg.lora_rank > 0:
+    if cfg.uses_lora:
         return policy
     dtype = getattr(torch, cfg.fsdp_config.param_dtype) if device.type == "cuda" else None
     return load(cfg, device, dtype=dtype)[0].eval().requires_grad_(False)

@@ -9,6 +9,10 @@ into a plain Hugging Face model (tests/test_lora.py checks both).
     merged = merge_lora_state_dict(full_state_dict, rank=8, alpha=16)         # plain HF keys
     save_adapter(out_dir, full_state_dict, 8, 16, "all-linear", "Qwen/Qwen2.5-0.5B")
 
+The trainers call `start_lora(model, cfg.model)` instead of apply_lora: the run's settings (model.lora_rank,
+lora_alpha, target_modules, exclude_modules), or a saved adapter folder's settings and weights
+(model.lora_adapter_path, verl's key; `read_adapter_config`, `load_adapter_weights`).
+
 A wrapped `<path>` holds `<path>.base_layer.{weight,bias}` (frozen), `<path>.lora_A.weight` [r, in] and
 `<path>.lora_B.weight` [out, r]. PEFT names them `<path>.lora_A.default.weight` in memory (adapter
 "default") and `base_model.model.<path>.lora_A.weight` on disk; `adapter_state_dict` writes the latter.
@@ -19,8 +23,10 @@ frozen and trainable parameters side by side (FSDP1 needed `use_orig_params`).
 
 Deviations from PEFT:
 1. A string `target_modules` other than "all-linear" is a comma-separated list of suffixes
-   ("q_proj,v_proj", for the CLI); PEFT reads such a string as a regex on the full module name.
-2. One adapter per module; no bias / modules_to_save / DoRA / rsLoRA options.
+   ("q_proj,v_proj", for the CLI); PEFT reads such a string as a regex on the full module name (so a saved
+   adapter whose target_modules is such a regex is refused). exclude_modules reads a string as PEFT does.
+2. One adapter per module; no bias / modules_to_save / DoRA / rsLoRA options (a saved adapter that uses one is
+   refused by `read_adapter_config`).
 3. lora_A/B take the base layer's dtype. PEFT's default `autocast_adapter_dtype=True` upcasts bf16/fp16
    adapters to fp32; here keep fp32 master weights and let FSDP2's MixedPrecisionPolicy cast for compute.
 """
@@ -33,12 +39,15 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 ALL_LINEAR = "all-linear"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
+PEFT_PREFIX = "base_model.model."  # before every tensor name in a saved PEFT adapter
 # `<path>.lora_A.weight`, optionally with PEFT's adapter name: `<path>.lora_A.default.weight`.
 _LORA_KEY = re.compile(r"^(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 
@@ -123,8 +132,23 @@ def _parse_targets(target_modules: str | Sequence[str]) -> list[str] | None:
     return targets
 
 
+def _excluded(name: str, exclude_modules: str | Sequence[str] | None) -> bool:
+    """PEFT's exclude_modules rule (tuners_utils.check_target_module_exists, verl's check_exclude_modules): a string
+    is a regex the whole module name must match (re.fullmatch), a list holds names or name suffixes."""
+    if not exclude_modules:
+        return False
+    if isinstance(exclude_modules, str):
+        return re.fullmatch(exclude_modules, name) is not None
+    return any(name == e or name.endswith("." + e) for e in exclude_modules)
+
+
 def apply_lora(
-    model: nn.Module, rank: int, alpha: float, target_modules: str | Sequence[str], dropout: float = 0.0
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    target_modules: str | Sequence[str],
+    dropout: float = 0.0,
+    exclude_modules: str | Sequence[str] | None = None,
 ) -> list[str]:
     """Replace matching nn.Linear modules by LoRALinear in place and freeze every non-LoRA parameter.
 
@@ -137,11 +161,20 @@ def apply_lora(
         target_modules: "all-linear" (every nn.Linear except the output layer, PEFT's meaning) or a list /
             comma-separated string of suffixes; `s` matches `name == s or name.endswith("." + s)` (PEFT).
         dropout: dropout on the LoRA branch input (PEFT's lora_dropout).
+        exclude_modules: modules left unwrapped although target_modules names them (PEFT's and verl's
+            exclude_modules): a regex the full module name must match whole (`.*visual.*`), or a list of names /
+            suffixes matched as target_modules' are. None or empty: none.
 
     Returns: the dotted module paths that were wrapped, in named_modules() order.
+    Raises: ValueError when nothing is left to wrap (no target matched, or exclude_modules took every match).
     """
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model already has LoRA layers; apply_lora must run once")
+    if isinstance(exclude_modules, str):
+        try:
+            re.compile(exclude_modules)
+        except re.error as e:
+            raise ValueError(f"exclude_modules {exclude_modules!r} is not a valid regex: {e}") from None
     targets = _parse_targets(target_modules)
     # The output projection is never a target: `lm_head`, or whatever get_output_embeddings() returns
     # (PEFT's "all-linear" rule, tuners_utils._maybe_include_all_linear_layers).
@@ -159,6 +192,12 @@ def apply_lora(
             f"target_modules {target_modules!r} matched no nn.Linear module; "
             f"available suffixes: {avail[:12]}{' ...' if len(avail) > 12 else ''}"
         )
+    if not (kept := [(n, m) for n, m in chosen if not _excluded(n, exclude_modules)]):
+        raise ValueError(
+            f"exclude_modules {exclude_modules!r} excludes all {len(chosen)} modules that target_modules "
+            f"{target_modules!r} matched (e.g. {chosen[0][0]}): no module is left for LoRA"
+        )
+    chosen = kept
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in chosen:
@@ -276,14 +315,16 @@ def save_adapter(
     target_modules: str | Sequence[str],
     base_model_name_or_path: str,
     dropout: float = 0.0,
+    exclude_modules: str | Sequence[str] | None = None,
 ) -> Path:
     """Write a PEFT LoRA adapter folder: adapter_config.json + adapter_model.safetensors.
 
     Args:
         out_dir: folder to create (existing files are overwritten).
-        state_dict: a full state dict of a model after apply_lora; rank, alpha, dropout: as given to it.
+        state_dict: a full state dict of a model after apply_lora; rank, alpha, dropout, exclude_modules: as
+            given to it.
         target_modules: as given to apply_lora; written as "all-linear" or as the suffixes that matched a
-            wrapped module (PEFT re-matches them against the base model on load).
+            wrapped module (PEFT re-matches them, less exclude_modules, against the base model on load).
         base_model_name_or_path: recorded for PEFT / the Hub; PeftModel.from_pretrained(base, dir) ignores it.
 
     Returns: the output folder.
@@ -301,14 +342,179 @@ def save_adapter(
         "lora_alpha": alpha,
         "lora_dropout": dropout,
         "target_modules": ALL_LINEAR if targets is None else targets,
+        "exclude_modules": exclude_modules
+        if isinstance(exclude_modules, str)
+        else list(exclude_modules or []) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "base_model_name_or_path": base_model_name_or_path,
     }  # every other LoraConfig field keeps PEFT's default (no DoRA, no rsLoRA, no modules_to_save)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     # safetensors refuses non-contiguous / shared tensors; "format": "pt" is the metadata PEFT writes.
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
+
+
+# adapter_config.json fields that change what a PEFT adapter computes and that LoRALinear does not implement:
+# each must be absent or hold a value that turns it off (PEFT 0.21's LoraConfig defaults).
+_UNSUPPORTED = (
+    "use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
+    "layers_to_transform", "layer_replication", "target_parameters", "trainable_token_indices",
+)  # fmt: skip
+
+
+def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
+    """The LoRA settings of a saved PEFT adapter folder (adapter_config.json, as save_adapter and PEFT write it).
+
+    Args: adapter_dir, the folder (adapter_config.json + adapter_model.safetensors).
+    Returns: {"rank": r, "alpha": lora_alpha, "target_modules": "all-linear" or a list of names,
+        "exclude_modules": a regex, a list or None, "dropout": lora_dropout}.
+    Raises: FileNotFoundError for a missing folder or file; ValueError, one line naming the file and the field,
+        for an adapter lora.py cannot reproduce (not LoRA, DoRA, rsLoRA, bias, per-module ranks, a regex
+        target_modules, ...).
+    """
+    folder = Path(adapter_dir).expanduser()
+    path = folder / ADAPTER_CONFIG
+    if not folder.is_dir():
+        raise FileNotFoundError(f"LoRA adapter folder {folder} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: a PEFT adapter folder holds {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    bad = lambda key, why: ValueError(f"{path}: {key}={cfg.get(key)!r}: {why}")  # noqa: E731
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise bad("peft_type", "not a LoRA adapter")
+    for key in _UNSUPPORTED:
+        if cfg.get(key) not in (None, False, {}, []):
+            raise bad(key, "not supported by flatrl's LoRA (lora.py: plain LoRA only)")
+    if cfg.get("bias", "none") != "none":
+        raise bad("bias", "not supported by flatrl's LoRA (lora.py: no bias training)")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise bad("r", "want a positive integer rank")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise bad("lora_alpha", "want a positive number")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str) and targets.strip().lower() != ALL_LINEAR:
+        raise bad(
+            "target_modules", "a regex (PEFT's reading of a string); flatrl reads 'all-linear' or a list"
+        )
+    if not targets or not isinstance(targets, (str, list)):
+        raise bad("target_modules", "want 'all-linear' or a list of module names")
+    exclude = cfg.get("exclude_modules")
+    if exclude is not None and not isinstance(exclude, (str, list)):
+        raise bad("exclude_modules", "want a regex or a list of module names")
+    dropout = cfg.get("lora_dropout") or 0.0
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise bad("lora_dropout", "want a number in [0, 1)")
+    return {"rank": rank, "alpha": float(alpha), "target_modules": targets, "exclude_modules": exclude or None,
+            "dropout": float(dropout)}  # fmt: skip
+
+
+@torch.no_grad()
+def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> int:
+    """Copy a saved PEFT adapter's tensors into the LoRA parameters of `model` (after apply_lora, before
+    fully_shard). Strict: every tensor must land on a LoRA parameter of the same shape, and every LoRA parameter
+    must get one. Read with safetensors only: the file holds plain tensors, nothing in it can run code.
+
+    Args:
+        model: a model after apply_lora with the adapter's own settings (read_adapter_config).
+        adapter_dir: the folder; its adapter_model.safetensors names tensors `base_model.model.<module>.lora_A.weight`
+            (PEFT's saved names; `.lora_A.default.weight` accepted) holding [r, in] (A) and [out, r] (B).
+    Returns: the number of tensors copied (cast to each parameter's dtype).
+    Raises: FileNotFoundError for a missing file; ValueError, one line naming the file and the tensor, for a tensor
+        that is not a LoRA weight, that no LoRA parameter of the model takes, of another shape, or a LoRA
+        parameter that no tensor fills.
+    """
+    path = Path(adapter_dir).expanduser() / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: a PEFT adapter folder holds {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}"
+        )
+    params = {n: p for n, p in model.named_parameters() if _LORA_KEY.match(n)}
+    if not params:
+        raise ValueError(f"{path}: the model has no LoRA parameters to load it into (apply_lora first)")
+    tensors = load_file(str(path))  # safetensors: a header and raw buffers, no pickle
+    filled: dict[str, str] = {}
+    for key, t in tensors.items():
+        m = _LORA_KEY.match(key.removeprefix(PEFT_PREFIX))
+        if not key.startswith(PEFT_PREFIX) or m is None:
+            raise ValueError(
+                f"{path}: tensor {key} is not a LoRA weight ({PEFT_PREFIX}<module>.lora_A.weight)"
+            )
+        name = f"{m['path']}.lora_{m['ab']}.weight"
+        if name not in params:
+            raise ValueError(f"{path}: tensor {key} has no LoRA parameter {name} in the model to land on")
+        if name in filled:
+            raise ValueError(f"{path}: tensors {filled[name]} and {key} both fill {name}")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"{path}: tensor {key} has shape {list(t.shape)}, the model's {name} {list(params[name].shape)}"
+            )
+        params[name].copy_(t)
+        filled[name] = key
+    if missing := [n for n in params if n not in filled]:
+        raise ValueError(
+            f"{path}: no tensor for LoRA parameter {missing[0]} ({len(missing)} of {len(params)} missing)"
+        )
+    return len(filled)
+
+
+# (start_lora's key, adapter_config.json's field, the run's own setting) of what a saved adapter decides.
+_ADOPTED = (
+    ("rank", "r", "model.lora_rank"),
+    ("alpha", "lora_alpha", "model.lora_alpha"),
+    ("target_modules", "target_modules", "model.target_modules"),
+    ("exclude_modules", "exclude_modules", "model.exclude_modules"),
+    ("dropout", "lora_dropout", "the dropout of fresh adapters"),
+)
+
+
+class LoRASettings(Protocol):
+    """The LoRA fields of actor.ModelConfig and sft.SFTModelConfig (the model.* keys)."""
+
+    lora_rank: int
+    lora_alpha: float
+    target_modules: str | list[str]
+    exclude_modules: str | list[str] | None
+    lora_adapter_path: str | None
+
+
+def start_lora(model: nn.Module, cfg: LoRASettings) -> tuple[dict[str, Any], list[str]]:
+    """A run's LoRA, before fully_shard: fresh adapters from the run's settings, or a saved PEFT adapter's settings
+    and weights when cfg.lora_adapter_path is set. As in verl (PeftModel.from_pretrained(model, lora_adapter_path,
+    is_trainable=True)), the adapter's adapter_config.json decides r, lora_alpha, target_modules, exclude_modules
+    and lora_dropout: each run value it replaces is said in a note.
+
+    Args: model, the unwrapped model; cfg, its config's LoRA fields.
+    Returns: (settings, notes). settings: what checkpoint.py writes to lora.json for shard_merge.py (rank, alpha,
+        target_modules as the suffixes wrapped, exclude_modules, dropout); notes: lines for stderr.
+    """
+    run = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "target_modules": cfg.target_modules,
+           "exclude_modules": cfg.exclude_modules or None, "dropout": 0.0}  # fmt: skip
+    settings, notes, path = run, [], cfg.lora_adapter_path
+    if path is not None:
+        settings = read_adapter_config(path)
+        for key, field, ours in _ADOPTED:
+            a, b = run[key], settings[key]
+            if key == "target_modules":  # "q_proj,v_proj" and ["v_proj", "q_proj"] are the same targets
+                a, b = (sorted(t) if t else t for t in (_parse_targets(a), _parse_targets(b)))
+            if a != b:
+                notes.append(
+                    f"model.lora_adapter_path: {Path(path) / ADAPTER_CONFIG} sets {field}={settings[key]!r}, in "
+                    f"place of {ours}={run[key]!r} (verl loads the adapter with its own config)"
+                )
+    wrapped = apply_lora(
+        model, settings["rank"], settings["alpha"], settings["target_modules"], settings["dropout"],
+        settings["exclude_modules"],
+    )  # fmt: skip
+    if path is not None:
+        load_adapter_weights(model, path)
+    return dict(settings, target_modules=sorted({w.rsplit(".", 1)[-1] for w in wrapped})), notes

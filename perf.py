@@ -366,7 +366,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     """
     fs = cfg.model.fsdp_config
     P, W = shape.params, getattr(fs, "hsdp_shard_size", 0) or world_size  # HSDP shards over its group only
-    lora = getattr(cfg.model, "lora_rank", 0) > 0
+    lora = getattr(cfg.model, "uses_lora", False)
     algorithm = getattr(cfg, "algorithm", None)  # PPO's KL-in-reward also needs the reference
     kl = getattr(cfg.actor, "use_kl_loss", False) or getattr(algorithm, "use_kl_in_reward", False)
     b = _BYTES[

@@ -115,11 +115,26 @@ class SFTModelConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA wraps: `all-linear` or a list of names such as [q_proj, v_proj]."""
+    exclude_modules: str | list[str] | None = None
+    """Modules LoRA leaves out even where target_modules names them (verl's and PEFT's exclude_modules): a string
+    is a regex the whole module name must match (re.fullmatch; verl's example `.*visual.*`), a list holds names
+    or name suffixes. An exclusion that leaves no module to wrap is an error."""
+    lora_adapter_path: str | None = None
+    """A saved PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, as PEFT and
+    `shard_merge.py --adapter-only` write it) to start from instead of fresh adapters, as verl's key: LoRA is on
+    even with lora_rank 0, and the folder's r, lora_alpha, target_modules, exclude_modules and lora_dropout
+    replace this config's (each change said on stderr). Read with safetensors only; a tensor that lands on no
+    LoRA parameter, a parameter left without one, or a shape mismatch is an error naming the tensor."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Settings put on the model's config before it is built (verl's model.override_config); a name the config
     lacks is set anyway and said on stderr."""
     fsdp_config: fsdp.FSDPConfig = field(default_factory=fsdp.FSDPConfig)
     """Sharding, mixed precision and offload."""
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA is on: a rank, or a saved adapter to start from (verl: either one)."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
 
 @dataclass(frozen=True)
@@ -327,16 +342,13 @@ def main(cfg: SFTConfig) -> dict[str, float]:
     sp_size = cfg.model.fsdp_config.ulysses_sequence_parallel_size
     sp.setup(model, sp_size, d.device.type, cfg.model.use_remove_padding)
     lora_info = None
-    if cfg.model.lora_rank > 0:
+    if cfg.model.uses_lora:
         import lora
 
-        wrapped = lora.apply_lora(model, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.target_modules)
-        lora_info = dict(
-            rank=cfg.model.lora_rank,
-            alpha=cfg.model.lora_alpha,
-            target_modules=sorted({w.rsplit(".", 1)[-1] for w in wrapped}),
-            base_model_name_or_path=cfg.model.partial_pretrain,
-        )
+        settings, notes = lora.start_lora(model, cfg.model)
+        for line in notes:
+            fsdp.print0(line, file=sys.stderr)
+        lora_info = dict(settings, base_model_name_or_path=cfg.model.partial_pretrain)
     hf_files = dict(
         config=model.config, generation_config=model.generation_config, tokenizer=tokenizer, lora=lora_info
     )

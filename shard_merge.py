@@ -110,7 +110,7 @@ class Checkpoint:
     specs: dict[str, tuple[torch.Size, torch.dtype]]  # key -> full (unsharded) shape, stored dtype
     load: Callable[[list[str]], dict[str, Tensor]]  # keys -> full tensors; reads only those keys
     hf_dir: Path
-    lora: dict | None  # lora.json: rank, alpha, target_modules, base_model_name_or_path
+    lora: dict | None  # lora.json: rank, alpha, target_modules, exclude_modules, dropout, base model
 
 
 def _dcp_loader(model_dir: Path) -> tuple[dict, Callable]:
@@ -363,7 +363,8 @@ def merge(
                 raise ValueError(f"{ckpt.hf_dir / 'lora.json'} is missing: --adapter-only needs LoRA")
             sd = ckpt.load([k for k in ckpt.specs if ".lora_A." in k or ".lora_B." in k])
             args = c["rank"], c["alpha"], c["target_modules"], c["base_model_name_or_path"]
-            lora.save_adapter(tmp, {k: v.to(out_dtype) for k, v in sd.items()}, *args)
+            more = {"dropout": c.get("dropout", 0.0), "exclude_modules": c.get("exclude_modules")}
+            lora.save_adapter(tmp, {k: v.to(out_dtype) for k, v in sd.items()}, *args, **more)
         else:
             _write_model(ckpt, tmp, _parse_size(max_shard_size), out_dtype)
             for f in ckpt.hf_dir.iterdir():  # tokenizer, generation config, chat template, ...
@@ -406,7 +407,9 @@ def measure(
     cls = _model_class(config)
     ref = cls(config).float().eval()
     if c := ckpt.lora:
-        lora.apply_lora(ref, c["rank"], c["alpha"], c["target_modules"])
+        lora.apply_lora(
+            ref, c["rank"], c["alpha"], c["target_modules"], exclude_modules=c.get("exclude_modules")
+        )
     missing, unexpected = ref.load_state_dict(ckpt.load(list(ckpt.specs)), strict=False)
     if set(missing) - _tied_aliases(ref).keys() or unexpected:
         raise ValueError(f"checkpoint does not fit the config: missing {missing}, unexpected {unexpected}")

@@ -237,8 +237,14 @@ RL_MODEL: dict[str, Rule] = {
     ),
     "lora.*": Ignore("read only with model.lora.rank > 0"),
     "enable_activation_offload": Ignore(MEMORY),
-    "exclude_modules": Only((None,), "LoRA wraps model.target_modules, with no exclusions"),
-    "lora_adapter_path": Only((None,), "LoRA starts from fresh adapters"),
+    "exclude_modules": Map(
+        "model.exclude_modules",
+        why="modules LoRA leaves out: a string is a regex on the full module name (re.fullmatch), as PEFT reads it",
+    ),
+    "lora_adapter_path": Map(
+        "model.lora_adapter_path",
+        why="LoRA starts from the saved PEFT adapter, with its adapter_config.json's r, lora_alpha and targets",
+    ),
     "use_liger": Ignore(SPEED),
     "use_fused_kernels": Ignore(SPEED),
     "fused_kernel_options.*": Ignore(SPEED),
@@ -615,8 +621,10 @@ PPO_CRITIC: dict[str, Rule] = {
     **_under("model.fsdp_config", _fsdp("critic.model.fsdp_config")),
     **_under("fsdp", _fsdp("critic.model.fsdp_config")),
     "loss_scale_factor": Only((None,), "the loss is normalised as critic.loss_agg_mode says"),
-    # After the spread: this one reads differently for the critic.
+    # After the spread: these read differently for the critic.
     "model.lora_rank": Only((0,), "the critic trains all its weights (LoRA is the actor's)"),
+    "model.exclude_modules": Only((None,), "the critic trains all its weights (LoRA is the actor's)"),
+    "model.lora_adapter_path": Only((None,), "the critic trains all its weights (LoRA is the actor's)"),
 }
 
 PPO: dict[str, Rule] = {

@@ -29,9 +29,10 @@ from transformers import (
     Qwen2ForTokenClassification,
 )
 
+import actor
 import checkpoint
 import shard_merge
-from lora import apply_lora
+from lora import apply_lora, start_lora
 
 torch.set_num_threads(
     1
@@ -218,6 +219,42 @@ def test_lora_merge_adapter_only_and_verify(ckpts, tmp_path):
     assert (logits(peft_model) - logits(lora_model)).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="lora.json"):
         shard_merge.merge(ckpts["tied"], tmp_path / "no_adapter", adapter_only=True)
+
+
+def test_lora_with_exclusions_round_trips_through_lora_adapter_path(tmp_path):
+    """lora.json's exclude_modules reaches --adapter-only's adapter_config.json and --verify's rebuilt model, and the
+    adapter loads back (model.lora_adapter_path) into the same LoRA tensors, bit for bit."""
+    lora_cfg = dict(
+        LORA, target_modules=["down_proj", "q_proj", "v_proj"], exclude_modules=r".*layers\.0\.mlp\..*"
+    )
+    model = tiny_model(True)
+    apply_lora(
+        model,
+        lora_cfg["rank"],
+        lora_cfg["alpha"],
+        lora_cfg["target_modules"],
+        exclude_modules=lora_cfg["exclude_modules"],
+    )
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            p.data.copy_(0.05 * torch.randn(p.shape, generator=g))
+    ckpt = write_dcp_ckpt(tmp_path / "run" / "global_step_1", model, lora_cfg)
+    assert shard_merge.verify(ckpt, shard_merge.merge(ckpt, tmp_path / "merged")) < 1e-5
+
+    adapter = shard_merge.merge(ckpt, tmp_path / "adapter", adapter_only=True)
+    assert (
+        json.loads((adapter / "adapter_config.json").read_text())["exclude_modules"]
+        == lora_cfg["exclude_modules"]
+    )
+    fresh = tiny_model(True)
+    settings, _ = start_lora(fresh, actor.ModelConfig(lora_adapter_path=str(adapter)))
+    assert (settings["rank"], settings["exclude_modules"]) == (4, lora_cfg["exclude_modules"])
+    saved = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    loaded = {n: p for n, p in fresh.named_parameters() if ".lora_" in n}
+    assert set(loaded) == set(saved) and len(saved) == 2 * 5  # q, v of both layers; down_proj of layer 1 only
+    assert all(torch.equal(loaded[n], saved[n]) for n in saved)
+    assert torch.equal(logits(fresh), logits(model))
 
 
 def test_verl_plain_shards_and_cli(ckpts, tmp_path):

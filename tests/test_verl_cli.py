@@ -270,6 +270,38 @@ def test_grpo_lora_example_command_line(tmp_path):
     assert_accounted(GRPO_LORA_EXAMPLE, err, grpo.GRPOConfig)
 
 
+def test_lora_exclusions_and_adapter_path_reach_the_config(tmp_path):
+    """verl's LoRA exclusions (its VLM example's exclude_modules='.*visual.*', quotes gone as bash passes it) and
+    saved adapter land on model.exclude_modules and model.lora_adapter_path, for grpo.py and sft.py (the SFT engine's
+    model.* keys); the critic refuses both."""
+    adapter = f"{HOME}/sft/lora_adapter"
+    args = [
+        *GRPO_LORA_EXAMPLE,
+        "actor_rollout_ref.model.exclude_modules=.*visual.*",
+        f"actor_rollout_ref.model.lora_adapter_path={adapter}",
+    ]
+    c, err = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=2)
+    assert (c.model.exclude_modules, c.model.lora_adapter_path, c.model.lora_rank) == (
+        ".*visual.*",
+        adapter,
+        64,
+    )
+    assert (
+        grpo.GRPOConfig().model.exclude_modules is None and grpo.GRPOConfig().model.lora_adapter_path is None
+    )
+    assert_accounted(args, err, grpo.GRPOConfig)
+    s = config.parse(
+        sft.SFTConfig, ["model.exclude_modules=[visual,lm_head]", f"model.lora_adapter_path={adapter}"]
+    )
+    assert (s.model.exclude_modules, s.model.lora_adapter_path) == (["visual", "lm_head"], adapter)
+    assert s.model.uses_lora and s.model.lora_rank == 0  # the adapter alone turns LoRA on, as in verl
+    for key in ("exclude_modules", "lora_adapter_path"):
+        with pytest.raises(
+            SystemExit, match=rf"critic.model.{key}=/a cannot be honoured: the critic trains all"
+        ):
+            config.parse(ppo.PPOConfig, [f"critic.model.{key}=/a"])
+
+
 def test_ppo_example_command_line(tmp_path):
     c, err = print_config("ppo.py", PPO_EXAMPLE, ppo.PPOConfig, tmp_path)
     assert c.algorithm.adv_estimator == "gae" and not c.algorithm.use_kl_in_reward
