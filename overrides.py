@@ -118,10 +118,15 @@ class _ValueParser:
         self.pos += 1
         out = []
         while self.pos < len(self.text) and self.text[self.pos] != quote:
-            if self.text[self.pos] == "\\" and self.pos + 1 < len(self.text):
-                self.pos += 1
-            out.append(self.text[self.pos])
-            self.pos += 1
+            # Hydra's escapes: only backslashes before a quote pair up (2n: n of them, then the closing quote;
+            # 2n + 1: n and a literal quote); every other backslash is kept, so a regex's `\.` arrives as written.
+            run = len(self.text[self.pos :]) - len(self.text[self.pos :].lstrip("\\"))
+            if run and self.text.startswith(quote, self.pos + run):
+                out.append("\\" * (run // 2) + quote * (run % 2))
+                self.pos += run + run % 2
+                continue
+            out.append(self.text[self.pos : self.pos + max(run, 1)])
+            self.pos += max(run, 1)
         if self.pos >= len(self.text):
             raise self.error(f"no closing {quote}")
         self.pos += 1

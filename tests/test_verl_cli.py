@@ -424,6 +424,10 @@ def test_repeated_config_files_merge_in_order(tmp_path):
         ("01", "01"),
         ("'1e-6'", "1e-6"),
         ("'it''s'", None),
+        (r"'.*layers\.0\..*'", r".*layers\.0\..*"),  # Hydra keeps a backslash that precedes no quote
+        (r"'it\'s'", "it's"),
+        (r"'a\\'", "a\\"),  # two before the closing quote: one backslash, and the string ends
+        (r"""'a\\\'b'""", "a\\'b"),
         ("{a: 1, b: [x, 'y z']}", {"a": 1, "b": ["x", "y z"]}),
         ("~/data/x.parquet", "~/data/x.parquet"),
         ("${oc.env:HOME}/x", "${oc.env:HOME}/x"),
