@@ -270,6 +270,12 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None  # [L]
     values: torch.Tensor | None = None  # [L], the critic's (ppo.py)
     returns: torch.Tensor | None = None  # [L], the critic's targets (ppo.py)
+    loss_mask: torch.Tensor | None = None  # [L] 1: the loss counts it, 0: rejection sampling dropped it
+
+    @property
+    def loss_tokens(self) -> float:
+        """How many of its tokens the loss counts: all, less those rollout rejection sampling dropped."""
+        return float(len(self.response_ids)) if self.loss_mask is None else float(self.loss_mask.sum())
 
     @property
     def checkable(self) -> bool:
@@ -349,21 +355,25 @@ def mask_of(lengths: list[int], device: torch.device, R: int | None = None) -> t
 
 @dataclass
 class MicroBatch:
-    """One forward/backward's samples, their model inputs and response mask, and the token and sequence counts of
+    """One forward/backward's samples, their model inputs and response masks, and the token and sequence counts of
     the mini-batch they belong to (all micro-batches, all ranks), which losses and metrics normalise by."""
 
     samples: list[Sample]
     inputs: dict  # collate's
     lengths: list[int]  # response lengths
-    mask: torch.Tensor  # [S, R]
+    valid: torch.Tensor  # [S, R] every response token
+    mask: torch.Tensor  # [S, R] the tokens the loss counts: valid less rejection sampling's drops (loss_mask)
     global_tokens: float = 0.0
     global_seqs: float = 0.0
 
     @classmethod
     def of(cls, samples: list[Sample], layout: Layout, global_tokens: float = 0.0, global_seqs: float = 0.0):
         lengths = [len(s.response_ids) for s in samples]
-        mask = mask_of(lengths, layout.device)
-        return cls(samples, collate(samples, layout), lengths, mask, global_tokens, global_seqs)
+        valid = mask = mask_of(lengths, layout.device)
+        if any(s.loss_mask is not None for s in samples):
+            keep = [1.0 if s.loss_mask is None else s.loss_mask for s in samples]
+            mask = valid * padded(keep, valid.shape[1], layout.device)
+        return cls(samples, collate(samples, layout), lengths, valid, mask, global_tokens, global_seqs)
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """The model's per-token [B, T] values at the response positions, as [S, R]."""
@@ -375,7 +385,7 @@ class MicroBatch:
         values = [getattr(s, name) for s in self.samples]
         if any(v is None for v in values):
             return None
-        return padded(values, self.mask.shape[1], self.mask.device) * self.mask
+        return padded(values, self.mask.shape[1], self.mask.device) * self.valid
 
     def token_mean(self, x: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the mini-batch's token mean of x [S, R] (the shares sum to the mean)."""
@@ -412,7 +422,7 @@ class PushCheck:
             self.diff_sum += diff.sum()
             self.diff_max = torch.maximum(self.diff_max, diff.max())
             self.tokens += sum(on)
-        self.entropy_sum += (entropy.detach() * mb.mask).sum()
+        self.entropy_sum += (entropy.detach() * mb.valid).sum()
         self.entropy_tokens += sum(mb.lengths)
 
     def result(self, tol: float, step: int, stale: bool = False) -> dict[str, float]:
@@ -596,7 +606,8 @@ def update(
     for _ in range(cfg.ppo_epochs):
         for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size, P):
             # over the data-parallel ranks: the P ranks of an SP group hold the same samples
-            tokens = fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx)) / P
+            # the tokens the loss counts (rollout rejection sampling may drop some; at least 1: no 0 / 0)
+            tokens = max(fsdp.all_reduce(sum(samples[i].loss_tokens for i in idx)) / P, 1.0)
             seqs = fsdp.all_reduce(len(idx)) / P
             groups = micro_batches(samples, idx, cfg, P)
             loss_sum = 0.0

@@ -9,7 +9,9 @@ in this order):
   3. score: the reward workers (reward.py) score them in the background while the engine sleeps and the
      logprob passes run;
   4. logprob passes: the old logprobs only when the update takes several optimizer steps (else its own forward
-     gives them, detached, as TRL does), the frozen reference's when a KL loss is on;
+     gives them, detached, as TRL does), the frozen reference's when a KL loss is on; then, with
+     algorithm.rollout_rs or rollout_is_batch_normalize, the batch-wide rollout correction (`rollout_correction`:
+     rejection masks, the importance weights' batch mean);
   5. advantages per prompt group (`algorithm.adv_estimator`, below);
   6. update: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, minimising
      `policy_loss` (below: PPO-clip + KL to the reference - entropy bonus); the forward that first sees the
@@ -51,8 +53,9 @@ Where it deviates from verl's ray_trainer + dp_actor:
 1. No Ray: one process per GPU under torchrun, each with its own engine (verl's colocated "hybrid engine").
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
 3. vLLM's logprobs prove the weight push and are not used in the loss unless algorithm.rollout_is asks
-   (truncated importance weights), so vLLM returns them for a few prompts per call only
-   (rollout.logprob_check_prompts; every prompt with rollout_is).
+   (truncated importance weights) or algorithm.rollout_rs (rejection sampling), so vLLM returns them for a few
+   prompts per call only (rollout.logprob_check_prompts; every prompt with those). verl's
+   rollout_correction.bypass_mode (the engine's logprobs as the old ones) is not implemented.
 4. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 
@@ -65,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
+import torch.distributed as dist
 
 import actor
 import config
@@ -125,8 +129,80 @@ class AlgorithmConfig:
     rollout_is_level: Literal["token", "sequence"] = "token"
     """token: each token's own ratio (TIS); sequence: every token of a response weighs the product of its tokens'
     ratios, truncated at rollout_is_threshold (verl's rollout_is=sequence: unbiased, higher variance)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their mean over the step's batch, all ranks, so that they average 1 (verl's
+    rollout_correction.rollout_is_batch_normalize): the token level's over every response token, the sequence
+    level's over the responses (`rollout_correction`). Needs rollout_is; runs the old-logprob pass."""
+    rollout_rs: str | None = None
+    """Rollout rejection sampling (verl's rollout_correction.rollout_rs): modes of RS_MODES, comma-separated, that
+    drop from the loss each token, or each whole response, whose trainer / engine divergence is out of
+    rollout_rs_threshold's bounds; a token stays only where every mode keeps it (`rejection_mask`). None: off.
+    Works with or without rollout_is; needs the engine logprobs as rollout_is_threshold does; runs the
+    old-logprob pass."""
+    rollout_rs_threshold: str | float | None = None
+    """rollout_rs's bounds, one for every mode or one per mode, comma-separated (verl's syntax): a k1 mode takes
+    `lower_upper` bounds on the ratio pi_engine / pi_trainer, or `upper` alone (lower 1 / upper); a k2 or k3 mode an
+    upper bound on the divergence. E.g. rollout_rs=token_k1,seq_max_k2 with "0.6_1.6,2.5"."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling; see FilterGroupsConfig."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_is_batch_normalize and not (
+            self.rollout_is and self.rollout_is_threshold is not None
+        ):
+            raise ValueError(
+                "algorithm.rollout_is_batch_normalize needs algorithm.rollout_is=true and rollout_is_threshold (it "
+                "normalises the truncated weights that rollout_is applies)"
+            )
+        if self.rollout_rs is not None:
+            rs_bounds(self.rollout_rs, self.rollout_rs_threshold)  # a bad mode or bound is an error now
+
+
+RS_MODES = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+"""algorithm.rollout_rs's modes (verl 0.9's rollout_corr_helper): a level (token; a response's sum, mean or max
+over its tokens) of a divergence estimate between trainer and engine (`rejection_mask`)."""
+
+
+def rs_bounds(modes: str, threshold: str | float | None) -> list[tuple[str, float | None, float]]:
+    """algorithm.rollout_rs and rollout_rs_threshold read as verl reads them: (mode, lower, upper) per mode, in
+    the order given, duplicates dropped; the bounds are on the mode's statistic (k1's: log lower, log upper;
+    k2's and k3's: None, upper). Raises ValueError naming the key and what it allows."""
+    names = list(dict.fromkeys(m.strip() for m in modes.split(",") if m.strip()))
+    bad = [m for m in names if m not in RS_MODES]
+    if not names or bad:
+        raise ValueError(
+            f"algorithm.rollout_rs={modes!r}: {', '.join(bad) or 'no mode'} is not a mode; give one or more of "
+            f"{', '.join(RS_MODES)}, comma-separated"
+        )
+    specs = [] if threshold is None else [t.strip() for t in str(threshold).split(",") if t.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(
+            f"algorithm.rollout_rs_threshold={threshold!r}: algorithm.rollout_rs={modes!r} needs one bound for "
+            f"all its modes or one per mode ({len(names)}), comma-separated"
+        )
+    out = []
+    for mode, spec in zip(names, specs * len(names) if len(specs) == 1 else specs, strict=False):
+        k1 = mode.endswith("k1")
+        try:
+            parts = [float(x) for x in spec.split("_")] if k1 or "_" not in spec else []
+        except ValueError:
+            parts = []
+        if not (1 <= len(parts) <= (2 if k1 else 1)) or min(parts) <= 0:
+            takes = (
+                "'lower_upper' or 'upper', positive ratios" if k1 else "one positive number (an upper bound)"
+            )
+            raise ValueError(
+                f"algorithm.rollout_rs_threshold={threshold!r}: {spec!r} is not a bound for {mode}; it takes {takes}"
+            )
+        if k1:  # on log(pi_engine / pi_trainer); one number is the upper bound and its reciprocal the lower
+            lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
+            out.append((mode, math.log(lower), math.log(upper)))
+        else:
+            out.append((mode, None, parts[0]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -238,10 +314,10 @@ def compute_advantages(
         if cfg.adv_estimator in ("reinforce_plus_plus", "remax"):
             # each token's return: the score less the penalty still to come (ReMax: less the baseline too)
             returns = scores[:, None] - penalty.flip(-1).cumsum(-1).flip(-1)  # [B, R]
-            if cfg.adv_estimator == "reinforce_plus_plus":
-                returns = rl.global_whiten(
-                    returns, actor.mask_of(lens, torch.device("cpu"), penalty.shape[1])
-                )
+            if cfg.adv_estimator == "reinforce_plus_plus":  # over the tokens the loss counts (as verl)
+                cpu, R = torch.device("cpu"), penalty.shape[1]
+                keep = [1.0 if s.loss_mask is None else s.loss_mask for s in samples]
+                returns = rl.global_whiten(returns, actor.mask_of(lens, cpu, R) * actor.padded(keep, R, cpu))
             for i, s in enumerate(samples):
                 s.advantages = returns[i, : lens[i]].float()
             return metrics
@@ -260,12 +336,108 @@ def compute_advantages(
     else:  # REINFORCE++, with a group baseline first or not (a group of one gets 0 there, as in grpo)
         if cfg.adv_estimator == "reinforce_plus_plus_baseline":
             scores = group_advantages(scores, groups, norm_by_std=False)
-        lengths = torch.tensor([len(s.response_ids) for s in samples]).double()  # [B]
+        lengths = torch.tensor([s.loss_tokens for s in samples]).double()  # [B], the tokens the loss counts
         sums = (lengths.sum(), (lengths * scores).sum(), (lengths * scores**2).sum())
         adv = whiten_by_tokens(scores, lengths, tuple(fsdp.all_reduce(x.item()) for x in sums))
     for s, a in zip(samples, adv.tolist(), strict=True):
         s.advantages = a
     return metrics
+
+
+# -------------------------------------------------------------------------------- rollout correction
+
+
+def is_log_weights(log_ratio: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
+    """The log of each token's rollout importance weight before truncation, [S, R]. log_ratio [S, R]: log
+    pi_trainer - log pi_engine per token (0 off `valid` [S, R], the response tokens). token: the token's own;
+    sequence: its response's sum (the log of the ratios' product), clamped to [-20, 20] as verl, on every token."""
+    if level == "sequence":
+        return (log_ratio * valid).sum(-1, keepdim=True).clamp(-20.0, 20.0).expand_as(log_ratio)
+    return log_ratio
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor, valid: torch.Tensor, bounds: list[tuple[str, float | None, float]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rollout rejection sampling (verl 0.9's compute_rollout_rejection_mask). With r = log pi_trainer - log
+    pi_engine per token, clamped to [-20, 20], three divergence estimates of the engine from the trainer:
+        k1 = -r = log(pi_engine / pi_trainer),   k2 = r^2 / 2 >= 0,   k3 = exp(r) - 1 - r >= 0
+    Each mode of `bounds` (rs_bounds) takes one at a level: token_* each token's own; seq_sum_* / seq_mean_* /
+    seq_max_* its response's sum / mean / max over the response's tokens (a response of no tokens: 0), for all of
+    them. A k1 statistic is kept within [lower, upper], a k2 or k3 one at or below upper; a token is kept when
+    every mode keeps it.
+
+    Args: log_ratio [S, R] (any value off `valid`), valid [S, R] the response tokens (float).
+    Returns: keep [S, R] float (1 kept, 0 dropped; `valid` not applied), and each mode's keep [S, R] bool.
+    """
+    r = log_ratio.clamp(-20.0, 20.0)  # [S, R]
+    stats = {"k1": -r, "k2": 0.5 * r**2, "k3": torch.expm1(r) - r}  # [S, R] each
+    n = valid.sum(-1, keepdim=True)  # [S, 1]
+    keep = torch.ones_like(r)
+    by_mode = {}
+    for mode, lower, upper in bounds:
+        level, k = mode.rsplit("_", 1)
+        x = stats[k]
+        if level == "seq_sum":
+            x = (x * valid).sum(-1, keepdim=True)  # [S, 1]
+        elif level == "seq_mean":
+            x = (x * valid).sum(-1, keepdim=True) / n.clamp(min=1)
+        elif level == "seq_max":
+            x = x.masked_fill(valid == 0, -math.inf).amax(-1, keepdim=True)
+            x = torch.where(n > 0, x, torch.zeros_like(x))
+        kept = (x <= upper) if lower is None else (x >= lower) & (x <= upper)
+        by_mode[mode] = kept.expand_as(r)
+        keep = keep * by_mode[mode]
+    return keep, by_mode
+
+
+def rollout_correction(samples: list[actor.Sample], alg: AlgorithmConfig) -> tuple[float, dict[str, float]]:
+    """The batch-wide half of the rollout correction, after the old-logprob pass and before the update (verl's
+    compute_rollout_correction_and_add_to_batch), over the step's samples on all ranks: with algorithm.rollout_rs,
+    sets each sample's loss_mask (`rejection_mask`); with rollout_is_batch_normalize, returns the mean of the
+    truncated weights that policy_loss then divides every weight by,
+        token level:     sum over all response tokens of w_t / #tokens
+        sequence level:  sum over responses of w_i / #responses (responses with a token)
+    (on every response token, rejected ones too, as verl; 1 unless normalising, or if the mean is <= 1e-8). Also
+    returns the mismatch/rollout_rs_* fractions of response tokens and of responses that rejection dropped, and
+    mismatch/rollout_is_batch_norm_factor (the mean)."""
+    lens = [len(s.response_ids) for s in samples]
+    cpu = torch.device("cpu")
+    valid = actor.mask_of(lens, cpu, max(lens, default=1))  # [B, L]
+    L = valid.shape[1]
+    log_ratio = (
+        actor.padded([s.old_logprobs for s in samples], L, cpu)
+        - actor.padded([s.rollout_logprobs for s in samples], L, cpu)
+    ) * valid  # [B, L], log pi_trainer / pi_engine
+    local = {"tokens": valid.sum(), "seqs": float(len(samples))}
+    if alg.rollout_rs is not None:
+        keep, by_mode = rejection_mask(log_ratio, valid, rs_bounds(alg.rollout_rs, alg.rollout_rs_threshold))
+        for s, row in zip(samples, keep, strict=True):
+            s.loss_mask = row[: len(s.response_ids)].clone()
+        for mode, kept in [("", keep.bool()), *((f"{m}_", k) for m, k in by_mode.items())]:
+            dropped = ~kept & valid.bool()  # [B, L]
+            local[f"rollout_rs_{mode}masked_fraction"] = dropped.sum()
+            local[f"rollout_rs_{mode}seq_masked_fraction"] = dropped.any(-1).sum()
+    if alg.rollout_is_batch_normalize:
+        log_w = is_log_weights(log_ratio, valid, alg.rollout_is_level)  # [B, L]
+        w = torch.exp(torch.clamp(log_w, max=math.log(alg.rollout_is_threshold))) * valid  # [B, L], truncated
+        if alg.rollout_is_level == "sequence":  # one weight a response (its first token's)
+            local["is_sum"], local["is_count"] = w[:, 0].sum(), (valid[:, 0] > 0).sum()
+        else:
+            local["is_sum"], local["is_count"] = w.sum(), valid.sum()
+    # over all ranks (verl's distributed_masked_mean): a prompt's samples sit on one rank, the batch on all
+    total = {k: fsdp.all_reduce(float(v)) if dist.is_initialized() else float(v) for k, v in local.items()}
+    metrics = {
+        f"mismatch/{k}": v / max(total["seqs" if k.endswith("seq_masked_fraction") else "tokens"], 1.0)
+        for k, v in total.items()
+        if k.startswith("rollout_rs_")
+    }
+    mean = 1.0
+    if alg.rollout_is_batch_normalize:
+        mean = total["is_sum"] / max(total["is_count"], 1.0)
+        mean = mean if mean > 1e-8 else 1.0
+        metrics["mismatch/rollout_is_batch_norm_factor"] = mean
+    return mean, metrics
 
 
 # ----------------------------------------------------------------------------------------- objective
@@ -383,12 +555,19 @@ def surrogate(
 
 
 def policy_loss(
-    model: torch.nn.Module, mb: actor.MicroBatch, cfg: GRPOConfig, check: actor.PushCheck | None
+    model: torch.nn.Module,
+    mb: actor.MicroBatch,
+    cfg: GRPOConfig,
+    check: actor.PushCheck | None,
+    is_mean: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's objective on one micro-batch (an actor.LossFn): the surrogate (PPO-clip unless
     actor.policy_loss.loss_mode says otherwise) + kl_loss_coef * KL(policy || reference) - entropy_coeff * entropy,
     each aggregated by actor.loss_agg_mode over the whole mini-batch (the surrogate of a PER_SEQUENCE mode
-    seq-mean-token-mean)."""
+    seq-mean-token-mean) and over the tokens that rollout rejection sampling kept (mb.mask). With
+    algorithm.rollout_is, the surrogate of each token is multiplied by its truncated weight divided by `is_mean`
+    (the batch's mean weight under rollout_is_batch_normalize, `rollout_correction`; else 1); the mismatch/*
+    metrics are over the kept tokens, before that division."""
     a, temperature = cfg.actor, cfg.rollout.temperature
     logprobs, entropy = actor.forward(model, mb, temperature, a.entropy_coeff != 0, check)  # [S, R]
     old = mb.per_token("old_logprobs")
@@ -404,8 +583,8 @@ def policy_loss(
         log_w = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
         metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
         sequence = cfg.algorithm.rollout_is_level == "sequence"
-        if sequence:  # each response's product of ratios, on all its tokens (clamped in log space, as verl)
-            log_w = ((log_w * mb.mask).sum(-1, keepdim=True).clamp(-20.0, 20.0)).expand_as(log_w)  # [S, R]
+        # sequence: each response's product of ratios over all its tokens, rejected ones too (as verl)
+        log_w = is_log_weights(log_w, mb.valid, cfg.algorithm.rollout_is_level)  # [S, R]
         w = torch.exp(torch.clamp(log_w, max=math.log(cfg.algorithm.rollout_is_threshold)))
         metrics["mismatch/rollout_is_mean"] = mb.token_mean(w)
         high = log_w > math.log(cfg.algorithm.rollout_is_threshold)
@@ -413,9 +592,9 @@ def policy_loss(
         if cfg.algorithm.rollout_is:
             # geo_mean at the token level: a sequence's weight is its tokens' geometric mean
             if a.policy_loss.loss_mode == "geo_mean" and not sequence:
-                n = mb.mask.sum(-1, keepdim=True).clamp(min=1)  # [S, 1]
-                w = torch.exp((torch.log(w) * mb.mask).sum(-1, keepdim=True) / n)
-            pg = pg * w.detach()
+                n = mb.valid.sum(-1, keepdim=True).clamp(min=1)  # [S, 1]
+                w = torch.exp((torch.log(w) * mb.valid).sum(-1, keepdim=True) / n)
+            pg = pg * (w / is_mean).detach()
     per_sequence = a.policy_loss.loss_mode in PER_SEQUENCE  # every sequence weighs the same (verl)
     loss = pg_loss = agg(pg, "seq-mean-token-mean") if per_sequence else agg(pg)
     metrics |= {
@@ -513,11 +692,12 @@ def filtered_rollouts(
 
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
-    if cfg.algorithm.rollout_is_threshold is not None and (
-        cfg.rollout.logprob_check_prompts != -1 or cfg.rollout.temperature != 1.0
-    ):
+    alg = cfg.algorithm
+    engine_logprobs = alg.rollout_is_threshold is not None or alg.rollout_rs is not None
+    if engine_logprobs and (cfg.rollout.logprob_check_prompts != -1 or cfg.rollout.temperature != 1.0):
+        which = "rollout_is_threshold" if alg.rollout_is_threshold is not None else "rollout_rs"
         raise SystemExit(
-            "error: algorithm.rollout_is_threshold needs the engine's logprobs of every sample at temperature 1: "
+            f"error: algorithm.{which} needs the engine's logprobs of every sample at temperature 1: "
             f"set rollout.logprob_check_prompts=-1 (now {cfg.rollout.logprob_check_prompts}) and "
             f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
         )
@@ -560,9 +740,11 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
     offload = rl.offloads(cfg.model.fsdp_config, optimizer)
     components = {"": (policy, optimizer, hf_files)}
-    # no old-logprob pass, unless the KL in the reward needs the old logprobs before the advantages (as ppo.py)
-    one_step = (
-        actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size) and not cfg.algorithm.use_kl_in_reward
+    # no old-logprob pass, unless the KL in the reward needs the old logprobs before the advantages (as ppo.py),
+    # or the rollout correction its batch-wide half before the update
+    batch_correction = alg.rollout_rs is not None or alg.rollout_is_batch_normalize
+    one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size) and not (
+        alg.use_kl_in_reward or batch_correction
     )
     kl_ctrl = rl.KLController(cfg.algorithm.kl_ctrl)
     engine = None
@@ -613,11 +795,17 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                         metrics["remax/baseline_reward_mean"] = fsdp.all_reduce(
                             sum(b.score for b in baselines)
                         ) / max(n_base, 1.0)
+                is_mean = 1.0  # rejection masks and the weights' batch mean, as verl before the advantages
+                if batch_correction:
+                    is_mean, corrected = rollout_correction(samples, alg)
+                    metrics |= corrected
                 # 5. advantages
                 metrics |= compute_advantages(samples, cfg.algorithm, kl_ctrl, baselines if remax else None)
                 # 6. the update, and the proof that the engine ran the trainer's weights
                 with timer("update"):
-                    loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
+                    loss_fn = functools.partial(
+                        policy_loss, cfg=cfg, check=check if one_step else None, is_mean=is_mean
+                    )
                     batch = (samples, len(prompts), cfg.actor, run.layout)
                     metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
                 stale = ahead is not None and ahead.stale  # nothing to check: the batch is one update old

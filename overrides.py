@@ -642,32 +642,57 @@ def _pairs(entries: dict[str, tuple[Any, str]], out: Result, printing: bool) -> 
 
 def _rollout_correction(entries: dict[str, tuple[Any, str]], out: Result) -> None:
     """verl 0.7+'s algorithm.rollout_correction.rollout_is=token (truncated IS, TIS) becomes verl 0.6's
-    algorithm.rollout_is + rollout_is_threshold, which each script's table then honours (grpo.py) or refuses
-    (ppo.py); the threshold alone, set in every verl trainer config, is read only with rollout_is."""
+    algorithm.rollout_is + rollout_is_threshold (+ rollout_is_batch_normalize), and rollout_rs with its threshold
+    algorithm.rollout_rs + rollout_rs_threshold, which each script's table then honours (grpo.py) or refuses
+    (ppo.py); a threshold alone, set in every verl trainer config, is read only with its mode."""
     level = entries.pop("algorithm.rollout_correction.rollout_is", None)
     threshold = entries.pop("algorithm.rollout_correction.rollout_is_threshold", None)
-    if level is None or plain(level[0]) is None:
-        if threshold is not None:
+    normalize = entries.pop("algorithm.rollout_correction.rollout_is_batch_normalize", None)
+    rs = entries.pop("algorithm.rollout_correction.rollout_rs", None)
+    rs_threshold = entries.pop("algorithm.rollout_correction.rollout_rs_threshold", None)
+    needs_logprobs = None
+    if rs is None or plain(rs[0]) is None:
+        if rs_threshold is not None and plain(rs_threshold[0]) is not None:
             out.note(
-                f"ignored: algorithm.rollout_correction.rollout_is_threshold={_text(threshold[0])} (read only "
-                "with algorithm.rollout_correction.rollout_is)"
+                f"ignored: algorithm.rollout_correction.rollout_rs_threshold={_text(rs_threshold[0])} (read only "
+                "with algorithm.rollout_correction.rollout_rs)"
             )
-        return
-    if plain(level[0]) not in ("token", "sequence"):
-        raise ValueError(
-            f"{level[1]}: algorithm.rollout_correction.rollout_is={_text(level[0])} cannot be honoured: flatrl "
-            "weighs each token or each sequence (token, sequence), truncated as TIS"
-        )
-    entries["algorithm.rollout_is"] = (True, level[1])
-    entries["algorithm.rollout_is_level"] = (plain(level[0]), level[1])
-    entries["algorithm.rollout_is_threshold"] = threshold or (2.0, level[1])
-    out.note(
-        f"mapped: algorithm.rollout_correction.rollout_is={plain(level[0])}, rollout_is_threshold -> "
-        "algorithm.rollout_is, rollout_is_level, algorithm.rollout_is_threshold"
-        + ("" if threshold else " (2.0, verl's default)")
-    )
-    if "rollout.logprob_check_prompts" not in entries:  # the weights need every sample's engine logprobs
-        entries["rollout.logprob_check_prompts"] = (-1, level[1])
+    else:
+        entries["algorithm.rollout_rs"] = (str(plain(rs[0])), rs[1])
+        if rs_threshold is not None and plain(rs_threshold[0]) is not None:
+            entries["algorithm.rollout_rs_threshold"] = (str(plain(rs_threshold[0])), rs_threshold[1])
         out.note(
-            "set: rollout.logprob_check_prompts=-1 (the importance weights need every sample's engine logprobs)"
+            "mapped: algorithm.rollout_correction.rollout_rs, rollout_rs_threshold -> algorithm.rollout_rs, "
+            "algorithm.rollout_rs_threshold"
+        )
+        needs_logprobs = rs[1]
+    if level is None or plain(level[0]) is None:
+        for key, given in (("rollout_is_threshold", threshold), ("rollout_is_batch_normalize", normalize)):
+            if given is not None and plain(given[0]) not in (None, False):
+                out.note(
+                    f"ignored: algorithm.rollout_correction.{key}={_text(given[0])} (read only with "
+                    "algorithm.rollout_correction.rollout_is)"
+                )
+    else:
+        if plain(level[0]) not in ("token", "sequence"):
+            raise ValueError(
+                f"{level[1]}: algorithm.rollout_correction.rollout_is={_text(level[0])} cannot be honoured: flatrl "
+                "weighs each token or each sequence (token, sequence), truncated as TIS"
+            )
+        entries["algorithm.rollout_is"] = (True, level[1])
+        entries["algorithm.rollout_is_level"] = (plain(level[0]), level[1])
+        entries["algorithm.rollout_is_threshold"] = threshold or (2.0, level[1])
+        if normalize is not None:
+            entries["algorithm.rollout_is_batch_normalize"] = normalize
+        out.note(
+            f"mapped: algorithm.rollout_correction.rollout_is={plain(level[0])}, rollout_is_threshold -> "
+            "algorithm.rollout_is, rollout_is_level, algorithm.rollout_is_threshold"
+            + ("" if threshold else " (2.0, verl's default)")
+            + (", rollout_is_batch_normalize" if normalize is not None else "")
+        )
+        needs_logprobs = level[1]
+    if needs_logprobs is not None and "rollout.logprob_check_prompts" not in entries:
+        entries["rollout.logprob_check_prompts"] = (-1, needs_logprobs)  # the correction reads every sample's
+        out.note(
+            "set: rollout.logprob_check_prompts=-1 (the rollout correction needs every sample's engine logprobs)"
         )

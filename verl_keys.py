@@ -414,16 +414,23 @@ RL_ALGORITHM: dict[str, Rule] = {
     "filter_groups.*": Ignore("read only with algorithm.filter_groups.enable"),
     "rollout_correction.rollout_is": Pair("with its threshold, as algorithm.rollout_is (overrides._pairs)"),
     "rollout_correction.rollout_is_threshold": Pair("read with algorithm.rollout_correction.rollout_is"),
-    "rollout_correction.rollout_rs": Only((None,), "no rollout rejection sampling"),
-    "rollout_correction.bypass_mode": Only((False,), "the trainer always recomputes old logprobs"),
-    "rollout_correction.rollout_is_batch_normalize": Only(
-        (False,), "the truncated weights are not renormalised"
+    "rollout_correction.rollout_is_batch_normalize": Pair(
+        "read with algorithm.rollout_correction.rollout_is, as algorithm.rollout_is_batch_normalize"
     ),
+    "rollout_correction.rollout_rs": Pair("with its threshold, as algorithm.rollout_rs (overrides._pairs)"),
+    "rollout_correction.rollout_rs_threshold": Pair("read with algorithm.rollout_correction.rollout_rs"),
+    "rollout_correction.rollout_rs_threshold_lower": Only(
+        (None,), "verl 0.6's lower bound; give it in rollout_rs_threshold as lower_upper (verl 0.7+)"
+    ),
+    "rollout_correction.bypass_mode": Only((False,), "the trainer always recomputes old logprobs"),
     "rollout_correction.rollout_token_veto_threshold": Only((None,), "no veto of whole sequences"),
     "rollout_correction.loss_type": Ignore("read only with bypass_mode"),
     "rollout_correction.use_policy_gradient": Ignore("read only with bypass_mode"),
-    "rollout_correction.*": Ignore("read only with rollout_rs (rejection sampling)"),
+    "rollout_correction.*": Ignore("not read: flatrl's rollout correction is the keys above"),
     "rollout_is": Only((False, None), "no rollout importance sampling: old logprobs are recomputed"),
+    "rollout_is_batch_normalize": Only((False,), "no rollout importance sampling in ppo.py (grpo.py has it)"),
+    "rollout_rs": Only((None,), "no rollout rejection sampling in ppo.py (grpo.py has it)"),
+    "rollout_rs_threshold": Ignore("read only with algorithm.rollout_rs"),
     "rollout_is_level": Ignore("read only with algorithm.rollout_is"),
     "rollout_is_mode": Ignore("read only with algorithm.rollout_is"),
     "rollout_is_threshold": Ignore("read only with algorithm.rollout_is"),
@@ -576,6 +583,9 @@ GRPO: dict[str, Rule] = {
     "algorithm.rollout_is": Map("algorithm.rollout_is"),
     "algorithm.rollout_is_threshold": Map("algorithm.rollout_is_threshold"),
     "algorithm.rollout_is_level": Map("algorithm.rollout_is_level"),
+    "algorithm.rollout_is_batch_normalize": Map("algorithm.rollout_is_batch_normalize"),
+    "algorithm.rollout_rs": Map("algorithm.rollout_rs"),
+    "algorithm.rollout_rs_threshold": Map("algorithm.rollout_rs_threshold"),
     "algorithm.rollout_is_mode": Only(("truncate",), "grpo.py truncates the weights (TIS); no masking"),
     "algorithm.rollout_is_threshold_lower": Ignore("truncate mode bounds the weights from above only"),
     "algorithm.rollout_is_veto_threshold": Only((None,), "no veto of whole sequences"),

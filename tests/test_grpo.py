@@ -539,6 +539,35 @@ def test_sequence_level_rollout_is_weighs_each_response_by_its_truncated_product
     assert abs(float(other) - want) > 1e-4  # the token level weighs the same responses differently
 
 
+def test_rejected_tokens_leave_the_loss_and_batch_normalisation_divides_the_weights(
+    one_rank, tiny_qwen2
+) -> None:
+    """algorithm.rollout_rs's loss_mask: a dropped token adds nothing and leaves the token-mean's count (the update's
+    global_tokens is Sample.loss_tokens); rollout_is_batch_normalize's is_mean divides every weight. On policy
+    with the engine 0.8x the trainer on sample 0's tokens (weight 1.25) and the others equal (1), is_mean 1.25."""
+    import actor
+
+    device = one_rank.device
+    model, _, _ = _tiny_policy(tiny_qwen2, device)
+    samples = _random_samples()
+    layout = actor.Layout(True, 0, device)
+    actor.compute_logprobs(model, samples, _grpo_cfg().actor, layout, 1.0)
+    for k, s in enumerate(samples):
+        s.rollout_logprobs = (s.old_logprobs + (math.log(0.8) if k == 0 else 0.0)).tolist()
+    samples[1].loss_mask = torch.tensor([0.0] + [1.0] * (len(samples[1].response_ids) - 1))
+    samples[2].loss_mask = torch.zeros(len(samples[2].response_ids))
+    kept = sum(s.loss_tokens for s in samples)
+    mb = actor.MicroBatch.of(samples, layout, global_tokens=kept, global_seqs=len(samples))
+    algorithm = grpo.AlgorithmConfig(
+        rollout_is_threshold=2.0, rollout_is=True, rollout_is_batch_normalize=True
+    )
+    cfg = dataclasses.replace(_grpo_cfg(), algorithm=algorithm)
+    loss, _ = grpo.policy_loss(model, mb, cfg, None, is_mean=1.25)
+    weights = [1.25 / 1.25] + [1.0 / 1.25] * (len(samples) - 1)
+    want = sum(-s.advantages * w * s.loss_tokens for s, w in zip(samples, weights, strict=True)) / kept
+    assert abs(float(loss) - want) < 1e-5, (float(loss), want)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
 def test_kl_in_reward(estimator):
     """algorithm.use_kl_in_reward (verl's apply_kl_penalty, its REINFORCE++ and RLOO examples): each token's reward

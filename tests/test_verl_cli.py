@@ -520,7 +520,7 @@ def test_overrides_and_precedence(tmp_path, capsys):
         ),
         (
             "algorithm.rollout_correction.rollout_rs=token",
-            "rollout_rs=token cannot be honoured: no rollout rejection sampling",
+            "algorithm.rollout_rs='token': token is not a mode; give one or more of token_k1",
         ),
         ("reward_model.enable=True", "reward_model.enable=True cannot be honoured"),
         ("actor_rollout_ref.actor.ppo_epochs=two", "key 'actor.ppo_epochs' expects int, got str 'two'"),
@@ -796,11 +796,60 @@ def test_rollout_correction_token_is(tmp_path):
     )
     for script, arg, needle in [
         ("grpo.py", f"{key}.rollout_is=geometric", "weighs each token or each sequence (token, sequence)"),
-        ("grpo.py", f"{key}.rollout_is_batch_normalize=true", "not renormalised"),
+        ("ppo.py", f"{key}.rollout_rs=token_k1", "no rollout rejection sampling in ppo.py (grpo.py has it)"),
         ("ppo.py", f"{key}.rollout_is=token", "algorithm.rollout_is=true cannot be honoured"),
     ]:
         p = run(script, [arg, "--print-config"], None)
         assert p.returncode != 0 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for arg, needle in [  # the config's own check: one error line, after the notes on what was mapped
+        (f"{key}.rollout_rs=seq_max_k1", "seq_max_k1 is not a mode; give one or more of token_k1"),
+        (f"{key}.rollout_rs=token_k2", "needs one bound for all its modes or one per mode"),
+    ]:
+        p = run("grpo.py", [arg, "--print-config"], None)
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode != 0 and len(errors) == 1 and needle in errors[0], p.stderr
+
+
+def test_rollout_correction_rejection_sampling_and_batch_normalize(tmp_path):
+    """verl 0.9's examples/rollout_correction keys: rollout_rs with its thresholds (quoted, comma-separated) reach
+    algorithm.rollout_rs and rollout_rs_threshold, without rollout_is too; rollout_is_batch_normalize reaches
+    algorithm.rollout_is_batch_normalize beside rollout_is, and is ignored without it; both want every sample's
+    engine logprobs."""
+    key = "algorithm.rollout_correction"
+    args = [
+        f"{key}.rollout_is=token",
+        f"{key}.rollout_is_threshold=2.0",
+        f"{key}.rollout_is_batch_normalize=false",
+        f"{key}.rollout_rs='token_k1,seq_max_k2'",
+        f"{key}.rollout_rs_threshold='0.6_1.6,2.5'",
+    ]
+    c, err = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=None)
+    a = c.algorithm
+    assert (a.rollout_rs, a.rollout_rs_threshold) == ("token_k1,seq_max_k2", "0.6_1.6,2.5")
+    assert (a.rollout_is, a.rollout_is_level, a.rollout_is_batch_normalize) == (True, "token", False)
+    assert "mapped: algorithm.rollout_correction.rollout_rs, rollout_rs_threshold" in err
+    c, _ = print_config(
+        "grpo.py", [f"{key}.rollout_rs=seq_mean_k3", f"{key}.rollout_rs_threshold=0.01"], grpo.GRPOConfig,
+        tmp_path, world_size=None,
+    )  # fmt: skip
+    assert (c.algorithm.rollout_rs, c.algorithm.rollout_rs_threshold, c.algorithm.rollout_is) == (
+        "seq_mean_k3",
+        "0.01",
+        False,
+    )
+    assert c.rollout.logprob_check_prompts == -1
+    args = [f"{key}.rollout_is=sequence", f"{key}.rollout_is_batch_normalize=true", f"{key}.rollout_rs=null"]
+    c, _ = print_config("grpo.py", args, grpo.GRPOConfig, tmp_path, world_size=None)
+    assert (c.algorithm.rollout_is_level, c.algorithm.rollout_is_batch_normalize, c.algorithm.rollout_rs) == (
+        "sequence",
+        True,
+        None,
+    )
+    c, err = print_config(
+        "grpo.py", [f"{key}.rollout_is_batch_normalize=true"], grpo.GRPOConfig, tmp_path, world_size=None
+    )
+    assert c.algorithm == grpo.AlgorithmConfig()
+    assert "ignored: algorithm.rollout_correction.rollout_is_batch_normalize=true" in err
 
 
 def test_verl_config_path_resolves_in_an_installed_verl(tmp_path):
