@@ -266,7 +266,7 @@ class Sample:
         default_factory=dict
     )  # the function's own score and dict keys (scoring.score)
     advantages: float | torch.Tensor = 0.0  # one value for every token, or [L]
-    old_logprobs: torch.Tensor | None = None  # [L], the trainer's at the sampling temperature
+    old_logprobs: torch.Tensor | None = None  # [L], the trainer's at the sampling temperature, or vLLM's
     ref_logprobs: torch.Tensor | None = None  # [L]
     values: torch.Tensor | None = None  # [L], the critic's (ppo.py)
     returns: torch.Tensor | None = None  # [L], the critic's targets (ppo.py)
@@ -401,7 +401,9 @@ class PushCheck:
     entropy over every response token (actor/entropy, at the sampling temperature).
 
     Measured on a forward that runs anyway: the old-logprob pass, or the update's own forward when that gives
-    the old logprobs (`forward(check=...)`). Sums stay on the device; `result` syncs once.
+    the old logprobs (`forward(check=...)`); with grpo.py's algorithm.rollout_bypass (no old-logprob pass) and
+    several optimizer steps a batch, a no-grad pass of its own over one prompt's samples a rank. Sums stay on the
+    device; `result` syncs once.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -588,6 +590,7 @@ def update(
     layout: Layout,
     loss_fn: LossFn,
     prefix: str = "actor/",
+    on_empty: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """`cfg.ppo_epochs` passes over mini-batches of this rank's samples, one optimizer step each (when the guard
     lets it: a NaN/inf loss or gradient norm skips it), minimising `loss_fn` summed over the micro-batches.
@@ -595,6 +598,8 @@ def update(
     Args:
         n_prompts: prompts of this rank's share (sample.group < n_prompts).
         cfg: ActorConfig or ppo.CriticConfig: ppo_epochs, ppo_mini_batch_size, the micro-batch sizes, grad_clip.
+        on_empty: run in place of loss_fn on a rank whose micro-batch is empty, to pair loss_fn's own collectives
+            (every rank runs the same number of micro-batches; grpo.py's rollout_bypass all-reduces in each).
     Returns:
         loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks.
     """
@@ -618,6 +623,8 @@ def update(
                     not g
                 ):  # this rank ran out of samples: an empty pass keeps FSDP's collectives paired; adds 0
                     (sp.forward_logits(model, mb.inputs).sum() * 0).backward()
+                    if on_empty is not None:
+                        on_empty()
                     continue
                 loss, metrics = loss_fn(model, mb)
                 (loss * world).backward()  # FSDP averages gradients over ranks; each rank's loss is its share

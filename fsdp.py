@@ -261,12 +261,13 @@ def seed_everything(seed: int) -> None:
 
 def all_reduce(x: float | torch.Tensor, op: str = "sum", device: torch.device | None = None) -> float:
     """All-reduces a scalar across ranks (sum, max or min) and returns a Python float."""
-    t = torch.as_tensor(x, dtype=torch.float64, device=device or _comm_device()).clone()
+    t = torch.as_tensor(x, dtype=torch.float64, device=device or comm_device()).clone()
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return t.item()
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
+    """Where collectives' tensors live: this rank's GPU (NCCL), else the host (gloo)."""
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

@@ -11,7 +11,9 @@ in this order):
   4. logprob passes: the old logprobs only when the update takes several optimizer steps (else its own forward
      gives them, detached, as TRL does), the frozen reference's when a KL loss is on; then, with
      algorithm.rollout_rs or rollout_is_batch_normalize, the batch-wide rollout correction (`rollout_correction`:
-     rejection masks, the importance weights' batch mean);
+     rejection masks, the importance weights' batch mean). With algorithm.rollout_bypass no old-logprob pass: the
+     engine's logprobs are the old ones, the correction runs in every micro-batch of the update (`policy_loss`),
+     and the push check, when the update takes several optimizer steps, gets a pass over one prompt's samples;
   5. advantages per prompt group (`algorithm.adv_estimator`, below);
   6. update: `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, minimising
      `policy_loss` (below: PPO-clip + KL to the reference - entropy bonus); the forward that first sees the
@@ -54,8 +56,8 @@ Where it deviates from verl's ray_trainer + dp_actor:
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
 3. vLLM's logprobs prove the weight push and are not used in the loss unless algorithm.rollout_is asks
    (truncated importance weights) or algorithm.rollout_rs (rejection sampling), so vLLM returns them for a few
-   prompts per call only (rollout.logprob_check_prompts; every prompt with those). verl's
-   rollout_correction.bypass_mode (the engine's logprobs as the old ones) is not implemented.
+   prompts per call only (rollout.logprob_check_prompts; every prompt with those, or algorithm.rollout_bypass:
+   verl's bypass_mode, the engine's logprobs as the old ones, with its ppo_clip and reinforce losses).
 4. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 
@@ -132,21 +134,40 @@ class AlgorithmConfig:
     rollout_is_batch_normalize: bool = False
     """Divide the truncated weights by their mean over the step's batch, all ranks, so that they average 1 (verl's
     rollout_correction.rollout_is_batch_normalize): the token level's over every response token, the sequence
-    level's over the responses (`rollout_correction`). Needs rollout_is; runs the old-logprob pass."""
+    level's over the responses (`rollout_correction`; with rollout_bypass over each micro-batch's, `correct`).
+    Needs rollout_is; runs the old-logprob pass unless rollout_bypass."""
     rollout_rs: str | None = None
     """Rollout rejection sampling (verl's rollout_correction.rollout_rs): modes of RS_MODES, comma-separated, that
     drop from the loss each token, or each whole response, whose trainer / engine divergence is out of
     rollout_rs_threshold's bounds; a token stays only where every mode keeps it (`rejection_mask`). None: off.
     Works with or without rollout_is; needs the engine logprobs as rollout_is_threshold does; runs the
-    old-logprob pass."""
+    old-logprob pass unless rollout_bypass (which rejects in every micro-batch, by the current policy)."""
     rollout_rs_threshold: str | float | None = None
     """rollout_rs's bounds, one for every mode or one per mode, comma-separated (verl's syntax): a k1 mode takes
     `lower_upper` bounds on the ratio pi_engine / pi_trainer, or `upper` alone (lower 1 / upper); a k2 or k3 mode an
     upper bound on the divergence. E.g. rollout_rs=token_k1,seq_max_k2 with "0.6_1.6,2.5"."""
+    rollout_bypass: bool = False
+    """The engine's logprobs are the old ones (verl's rollout_correction.bypass_mode): the old-logprob pass, one
+    forward over the whole batch a step, is skipped, and rollout_is's weights and rollout_rs's rejection are
+    computed in every micro-batch between the current policy and the engine (`correct`; the rejection drops tokens
+    from the policy term only). The cost: the update's first step is off-policy by the engine/trainer mismatch
+    (bf16 numbers, other kernels), which rollout_loss_type's ratio or weights then correct instead of a trainer's
+    own old logprobs. Needs every sample's engine logprobs at temperature 1, as rollout_is_threshold, and
+    actor.policy_loss.loss_mode=vanilla."""
+    rollout_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """The policy term under rollout_bypass (verl's rollout_correction.loss_type): ppo_clip, PPO-clip (vanilla) with
+    the engine's logprobs as the old ones (its ratio is the importance weight: rollout_is's weights are measured,
+    not applied); reinforce, -A w log pi, no ratio, no clip, w rollout_is's truncated (batch-normalised) weight or
+    1 without rollout_is (verl's compute_policy_loss_reinforce)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling; see FilterGroupsConfig."""
 
     def __post_init__(self) -> None:
+        if self.rollout_loss_type != "ppo_clip" and not self.rollout_bypass:
+            raise ValueError(
+                f"algorithm.rollout_loss_type={self.rollout_loss_type} needs algorithm.rollout_bypass=true (it is "
+                "the loss of the bypass mode, whose old logprobs are the engine's)"
+            )
         if self.rollout_is_batch_normalize and not (
             self.rollout_is and self.rollout_is_threshold is not None
         ):
@@ -391,11 +412,82 @@ def rejection_mask(
     return keep, by_mode
 
 
+def is_weights(
+    log_ratio: torch.Tensor, valid: torch.Tensor, alg: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout importance weights at alg.rollout_is_level, truncated at alg.rollout_is_threshold (TIS), [S, R],
+    and their logs before truncation (`is_log_weights`) [S, R]. log_ratio, valid: as is_log_weights'."""
+    log_w = is_log_weights(log_ratio, valid, alg.rollout_is_level)  # [S, R]
+    return torch.exp(torch.clamp(log_w, max=math.log(alg.rollout_is_threshold))), log_w
+
+
+def weights_mean(w: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
+    """The mean of the truncated weights w [S, R] over all ranks (verl's distributed_masked_mean): the token level's
+    over every response token of `valid` [S, R], the sequence level's over the responses that have a token (one
+    weight each, its first token's); 1 where it is <= 1e-8. A 0-dim tensor on w's device, no host sync. A
+    collective when torch.distributed is initialised: every rank calls it together (an empty [0, R] w adds
+    nothing, which is how a rank without samples joins). The ranks of a sequence-parallel group hold the same
+    samples: they count each P times in both sums, which leaves the mean as it is."""
+    w = w * valid  # [S, R]
+    if level == "sequence":
+        sums = torch.stack([w[:, 0].sum(), (valid[:, 0] > 0).sum().to(w.dtype)])  # [2]
+    else:
+        sums = torch.stack([w.sum(), valid.sum().to(w.dtype)])
+    sums = sums.double()
+    if dist.is_initialized():
+        sums = sums.to(fsdp.comm_device())
+        dist.all_reduce(sums)
+    mean = sums[0] / sums[1].clamp(min=1.0)
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean)).to(w.device, w.dtype)
+
+
+@dataclass
+class Correction:
+    """What the rollout correction makes of one batch of log pi_trainer - log pi_engine (`correct`)."""
+
+    weights: torch.Tensor | None  # [S, R] truncated importance weights (rollout_is_threshold; else None)
+    log_weights: torch.Tensor | None  # [S, R] their logs before truncation
+    norm: (
+        torch.Tensor
+    )  # 0-dim: the weights' mean over all ranks under rollout_is_batch_normalize, the divisor; else 1
+    keep: (
+        torch.Tensor | None
+    )  # [S, R] rollout_rs's keep mask (1 kept; `valid` not applied); None without rollout_rs
+    dropped: dict[str, torch.Tensor]  # rollout_rs_[mode_]masked_fraction / _seq_masked_fraction: local counts
+
+
+def correct(log_ratio: torch.Tensor, valid: torch.Tensor, alg: AlgorithmConfig) -> Correction:
+    """The rollout correction of one batch (verl's compute_rollout_correction_and_rejection_mask): with
+    rollout_is_threshold the truncated importance weights (`is_weights`), with rollout_is_batch_normalize their
+    mean over all ranks (`weights_mean`, a collective), with rollout_rs the keep mask (`rejection_mask`) and the
+    counts of response tokens and of responses it dropped, overall and per mode (to divide by the token and
+    response counts they are of). Serves both modes: decoupled, over the step's batch with the old logprobs
+    (`rollout_correction`); rollout_bypass, over each micro-batch with the current policy's (`policy_loss`).
+
+    Args: log_ratio [S, R] log pi_trainer - log pi_engine per token (0 off `valid`), valid [S, R] the response
+    tokens (float)."""
+    weights = log_weights = None
+    norm = torch.ones((), dtype=log_ratio.dtype, device=log_ratio.device)
+    if alg.rollout_is_threshold is not None:
+        weights, log_weights = is_weights(log_ratio, valid, alg)
+        if alg.rollout_is_batch_normalize:
+            norm = weights_mean(weights, valid, alg.rollout_is_level)
+    keep, dropped = None, {}
+    if alg.rollout_rs is not None:
+        keep, by_mode = rejection_mask(log_ratio, valid, rs_bounds(alg.rollout_rs, alg.rollout_rs_threshold))
+        for mode, kept in [("", keep.bool()), *((f"{m}_", k) for m, k in by_mode.items())]:
+            gone = ~kept & valid.bool()  # [S, R]
+            dropped[f"rollout_rs_{mode}masked_fraction"] = gone.sum()
+            dropped[f"rollout_rs_{mode}seq_masked_fraction"] = gone.any(-1).sum()
+    return Correction(weights, log_weights, norm, keep, dropped)
+
+
 def rollout_correction(samples: list[actor.Sample], alg: AlgorithmConfig) -> tuple[float, dict[str, float]]:
-    """The batch-wide half of the rollout correction, after the old-logprob pass and before the update (verl's
-    compute_rollout_correction_and_add_to_batch), over the step's samples on all ranks: with algorithm.rollout_rs,
-    sets each sample's loss_mask (`rejection_mask`); with rollout_is_batch_normalize, returns the mean of the
-    truncated weights that policy_loss then divides every weight by,
+    """The batch-wide half of the decoupled rollout correction, after the old-logprob pass and before the update
+    (verl's compute_rollout_correction_and_add_to_batch): `correct` over the step's samples on all ranks with
+    log pi_old - log pi_engine. With algorithm.rollout_rs, sets each sample's loss_mask; with
+    rollout_is_batch_normalize, returns the mean of the truncated weights that policy_loss then divides every
+    weight by,
         token level:     sum over all response tokens of w_t / #tokens
         sequence level:  sum over responses of w_i / #responses (responses with a token)
     (on every response token, rejected ones too, as verl; 1 unless normalising, or if the mean is <= 1e-8). Also
@@ -409,22 +501,11 @@ def rollout_correction(samples: list[actor.Sample], alg: AlgorithmConfig) -> tup
         actor.padded([s.old_logprobs for s in samples], L, cpu)
         - actor.padded([s.rollout_logprobs for s in samples], L, cpu)
     ) * valid  # [B, L], log pi_trainer / pi_engine
-    local = {"tokens": valid.sum(), "seqs": float(len(samples))}
-    if alg.rollout_rs is not None:
-        keep, by_mode = rejection_mask(log_ratio, valid, rs_bounds(alg.rollout_rs, alg.rollout_rs_threshold))
-        for s, row in zip(samples, keep, strict=True):
+    c = correct(log_ratio, valid, alg)
+    if c.keep is not None:
+        for s, row in zip(samples, c.keep, strict=True):
             s.loss_mask = row[: len(s.response_ids)].clone()
-        for mode, kept in [("", keep.bool()), *((f"{m}_", k) for m, k in by_mode.items())]:
-            dropped = ~kept & valid.bool()  # [B, L]
-            local[f"rollout_rs_{mode}masked_fraction"] = dropped.sum()
-            local[f"rollout_rs_{mode}seq_masked_fraction"] = dropped.any(-1).sum()
-    if alg.rollout_is_batch_normalize:
-        log_w = is_log_weights(log_ratio, valid, alg.rollout_is_level)  # [B, L]
-        w = torch.exp(torch.clamp(log_w, max=math.log(alg.rollout_is_threshold))) * valid  # [B, L], truncated
-        if alg.rollout_is_level == "sequence":  # one weight a response (its first token's)
-            local["is_sum"], local["is_count"] = w[:, 0].sum(), (valid[:, 0] > 0).sum()
-        else:
-            local["is_sum"], local["is_count"] = w.sum(), valid.sum()
+    local = {"tokens": valid.sum(), "seqs": float(len(samples)), **c.dropped}
     # over all ranks (verl's distributed_masked_mean): a prompt's samples sit on one rank, the batch on all
     total = {k: fsdp.all_reduce(float(v)) if dist.is_initialized() else float(v) for k, v in local.items()}
     metrics = {
@@ -432,10 +513,8 @@ def rollout_correction(samples: list[actor.Sample], alg: AlgorithmConfig) -> tup
         for k, v in total.items()
         if k.startswith("rollout_rs_")
     }
-    mean = 1.0
+    mean = float(c.norm)
     if alg.rollout_is_batch_normalize:
-        mean = total["is_sum"] / max(total["is_count"], 1.0)
-        mean = mean if mean > 1e-8 else 1.0
         metrics["mismatch/rollout_is_batch_norm_factor"] = mean
     return mean, metrics
 
@@ -567,8 +646,16 @@ def policy_loss(
     seq-mean-token-mean) and over the tokens that rollout rejection sampling kept (mb.mask). With
     algorithm.rollout_is, the surrogate of each token is multiplied by its truncated weight divided by `is_mean`
     (the batch's mean weight under rollout_is_batch_normalize, `rollout_correction`; else 1); the mismatch/*
-    metrics are over the kept tokens, before that division."""
-    a, temperature = cfg.actor, cfg.rollout.temperature
+    metrics are over the kept tokens, before that division.
+
+    With algorithm.rollout_bypass the old logprobs are the engine's, and `correct` runs here on this micro-batch
+    with the current policy's logprobs (detached) against the engine's, as verl's compute_policy_loss_bypass_mode:
+    its rejection drops tokens from the surrogate only (the KL and entropy terms keep every token, and the
+    mini-batch's token count is every response token), its batch normalisation is the mean over this micro-batch
+    on all ranks (a collective: actor.update's on_empty pairs it on a rank without samples), and the surrogate is
+        ppo_clip:   PPO-clip against the engine (the ratio is the correction; rollout_is's weights not applied)
+        reinforce:  -A w log pi,  w = rollout_is's truncated weight / its norm (1 without rollout_is); no clip."""
+    a, alg, temperature = cfg.actor, cfg.algorithm, cfg.rollout.temperature
     logprobs, entropy = actor.forward(model, mb, temperature, a.entropy_coeff != 0, check)  # [S, R]
     old = mb.per_token("old_logprobs")
     old = logprobs.detach() if old is None else old  # one optimizer step a batch: this forward's, ratio 1
@@ -576,32 +663,55 @@ def policy_loss(
     norm = dict(
         global_tokens=mb.global_tokens, global_seqs=mb.global_seqs, norm_length=cfg.data.max_response_length
     )
-    agg = lambda x, mode=a.loss_agg_mode: losses.agg_loss(x, mb.mask, mode, **norm)  # noqa: E731
-    metrics = {}
-    pg, clipped, clipped_lower = surrogate(logprobs, old, adv, mb.mask, a)
-    if cfg.algorithm.rollout_is_threshold is not None:  # the trainer's and the engine's numbers differ (TIS)
-        log_w = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
-        metrics["mismatch/mismatch_kl"] = mb.token_mean(-log_w)  # KL(engine || trainer), k1 on the samples
-        sequence = cfg.algorithm.rollout_is_level == "sequence"
+    agg = lambda x, mode=a.loss_agg_mode, mask=mb.mask: losses.agg_loss(x, mask, mode, **norm)  # noqa: E731
+    pg_mask, w, metrics = mb.mask, None, {}  # the surrogate's tokens, the weights it is multiplied by
+    if alg.rollout_bypass:  # old = the engine's; the correction by the current policy, in every micro-batch
+        log_ratio = logprobs.detach() - old  # [S, R], log pi_trainer / pi_engine
+        c = correct(log_ratio, mb.valid, alg)
+        if c.keep is not None:
+            pg_mask = mb.mask * c.keep  # [S, R]
+            for k, v in c.dropped.items():  # shares of the mini-batch's fractions
+                metrics[f"mismatch/{k}"] = v / (
+                    mb.global_seqs if k.endswith("seq_masked_fraction") else mb.global_tokens
+                )
+        if alg.rollout_is_batch_normalize:  # the micro-batches' factors, weighed by their tokens
+            metrics["mismatch/rollout_is_batch_norm_factor"] = mb.token_mean(c.norm * mb.valid)
+        if alg.rollout_is and alg.rollout_loss_type == "reinforce":
+            w = c.weights / c.norm
+        is_w, is_log_w = c.weights, c.log_weights
+    elif alg.rollout_is_threshold is not None:  # the trainer's and the engine's numbers differ (TIS)
+        log_ratio = old - mb.per_token("rollout_logprobs")  # [S, R], log pi_trainer / pi_engine per token
         # sequence: each response's product of ratios over all its tokens, rejected ones too (as verl)
-        log_w = is_log_weights(log_w, mb.valid, cfg.algorithm.rollout_is_level)  # [S, R]
-        w = torch.exp(torch.clamp(log_w, max=math.log(cfg.algorithm.rollout_is_threshold)))
-        metrics["mismatch/rollout_is_mean"] = mb.token_mean(w)
-        high = log_w > math.log(cfg.algorithm.rollout_is_threshold)
-        metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
-        if cfg.algorithm.rollout_is:
+        is_w, is_log_w = is_weights(log_ratio, mb.valid, alg)  # [S, R] each
+        if alg.rollout_is:
+            w = is_w
             # geo_mean at the token level: a sequence's weight is its tokens' geometric mean
-            if a.policy_loss.loss_mode == "geo_mean" and not sequence:
+            if a.policy_loss.loss_mode == "geo_mean" and alg.rollout_is_level == "token":
                 n = mb.valid.sum(-1, keepdim=True).clamp(min=1)  # [S, 1]
                 w = torch.exp((torch.log(w) * mb.valid).sum(-1, keepdim=True) / n)
-            pg = pg * (w / is_mean).detach()
+            w = w / is_mean
+    if alg.rollout_is_threshold is not None:
+        metrics["mismatch/mismatch_kl"] = mb.token_mean(
+            -log_ratio
+        )  # KL(engine || trainer), k1 on the samples
+        metrics["mismatch/rollout_is_mean"] = mb.token_mean(is_w)
+        high = is_log_w > math.log(alg.rollout_is_threshold)
+        metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
+    if alg.rollout_bypass and alg.rollout_loss_type == "reinforce":  # verl's compute_policy_loss_reinforce
+        pg = -adv * logprobs  # [S, R]
+        clipped = clipped_lower = torch.zeros_like(pg_mask, dtype=torch.bool)
+    else:
+        pg, clipped, clipped_lower = surrogate(logprobs, old, adv, pg_mask, a)
+    if w is not None:
+        pg = pg * w.detach()
     per_sequence = a.policy_loss.loss_mode in PER_SEQUENCE  # every sequence weighs the same (verl)
-    loss = pg_loss = agg(pg, "seq-mean-token-mean") if per_sequence else agg(pg)
+    loss = pg_loss = agg(pg, "seq-mean-token-mean" if per_sequence else a.loss_agg_mode, pg_mask)
+    kept_mean = lambda x: losses.agg_loss(x.detach(), pg_mask, "token-mean", global_tokens=mb.global_tokens)  # noqa: E731
     metrics |= {
         "actor/pg_loss": pg_loss.detach(),
-        "actor/pg_clipfrac": mb.token_mean(clipped.float()),
-        "actor/pg_clipfrac_lower": mb.token_mean(clipped_lower.float()),
-        "actor/ppo_kl": mb.token_mean(old - logprobs),
+        "actor/pg_clipfrac": kept_mean(clipped.float()),
+        "actor/pg_clipfrac_lower": kept_mean(clipped_lower.float()),
+        "actor/ppo_kl": kept_mean(old - logprobs),
     }
     if a.use_kl_loss:
         kl = agg(losses.kl_penalty(logprobs, mb.per_token("ref_logprobs"), a.kl_loss_type))
@@ -693,15 +803,22 @@ def filtered_rollouts(
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     alg = cfg.algorithm
-    engine_logprobs = alg.rollout_is_threshold is not None or alg.rollout_rs is not None
+    engine_logprobs = alg.rollout_is_threshold is not None or alg.rollout_rs is not None or alg.rollout_bypass
     if engine_logprobs and (cfg.rollout.logprob_check_prompts != -1 or cfg.rollout.temperature != 1.0):
         which = "rollout_is_threshold" if alg.rollout_is_threshold is not None else "rollout_rs"
+        which = "rollout_bypass" if alg.rollout_bypass else which
         raise SystemExit(
             f"error: algorithm.{which} needs the engine's logprobs of every sample at temperature 1: "
             f"set rollout.logprob_check_prompts=-1 (now {cfg.rollout.logprob_check_prompts}) and "
             f"rollout.temperature=1.0 (now {cfg.rollout.temperature})"
         )
     a = cfg.actor
+    if alg.rollout_bypass and a.policy_loss.loss_mode != "vanilla":
+        raise SystemExit(
+            f"error: algorithm.rollout_bypass needs actor.policy_loss.loss_mode=vanilla (got "
+            f"{a.policy_loss.loss_mode}): its loss is algorithm.rollout_loss_type's, ppo_clip or reinforce, as verl's "
+            "bypass_mode"
+        )
     if a.policy_loss.loss_mode in PER_SEQUENCE and a.loss_agg_mode != "seq-mean-token-mean":
         fsdp.print0(
             f"note: actor.loss_agg_mode={a.loss_agg_mode} applies to the KL and entropy terms only: "
@@ -740,12 +857,23 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     guard = optim.SkipGuard(cfg.trainer.max_consecutive_skips)
     offload = rl.offloads(cfg.model.fsdp_config, optimizer)
     components = {"": (policy, optimizer, hf_files)}
-    # no old-logprob pass, unless the KL in the reward needs the old logprobs before the advantages (as ppo.py),
-    # or the rollout correction its batch-wide half before the update
-    batch_correction = alg.rollout_rs is not None or alg.rollout_is_batch_normalize
-    one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size) and not (
-        alg.use_kl_in_reward or batch_correction
+    # the decoupled rollout correction's batch-wide half (rollout_bypass corrects in every micro-batch instead)
+    batch_correction = not alg.rollout_bypass and (
+        alg.rollout_rs is not None or alg.rollout_is_batch_normalize
     )
+    one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size)
+    # the old-logprob pass: not with rollout_bypass (the engine's are the old ones), nor when the update takes one
+    # optimizer step (its own forward gives them), unless the KL in the reward (as ppo.py) or the batch-wide
+    # correction needs them before the update
+    old_pass = not alg.rollout_bypass and not (one_step and not (alg.use_kl_in_reward or batch_correction))
+    # the push check reads the first forward that sees the sampling weights: the old-logprob pass, else the
+    # update's when it is one optimizer step, else (rollout_bypass) a pass of its own over one prompt's samples
+    check_in_update = one_step and not old_pass
+    # rollout_bypass's batch normalisation all-reduces in every micro-batch: a rank without samples joins with none
+    on_empty = None
+    if alg.rollout_bypass and alg.rollout_is_batch_normalize:
+        none = torch.zeros(0, 1)
+        on_empty = functools.partial(weights_mean, none, none, alg.rollout_is_level)
     kl_ctrl = rl.KLController(cfg.algorithm.kl_ctrl)
     engine = None
     try:
@@ -781,9 +909,16 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     engine.sleep()  # frees the KV cache (and weights) for the trainer
                 # 4. logprob passes
                 check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
-                if not one_step:
+                if old_pass:
                     with timer("old_logprob"):
                         actor.compute_logprobs(policy, samples, cfg.actor, run.layout, temperature, check)
+                elif alg.rollout_bypass:  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
+                    for s in samples:
+                        s.old_logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+                    if not check_in_update:  # copies: their old logprobs stay the engine's
+                        with timer("push_check"):
+                            probe = [dataclasses.replace(s) for s in samples if s.group == 0]
+                            actor.compute_logprobs(policy, probe, cfg.actor, run.layout, temperature, check)
                 if ref is not None:
                     with timer("ref"):
                         actor.compute_logprobs(ref, samples, cfg.actor, run.layout, temperature, ref=True)
@@ -804,10 +939,10 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 # 6. the update, and the proof that the engine ran the trainer's weights
                 with timer("update"):
                     loss_fn = functools.partial(
-                        policy_loss, cfg=cfg, check=check if one_step else None, is_mean=is_mean
+                        policy_loss, cfg=cfg, check=check if check_in_update else None, is_mean=is_mean
                     )
                     batch = (samples, len(prompts), cfg.actor, run.layout)
-                    metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
+                    metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn, on_empty=on_empty)
                 stale = ahead is not None and ahead.stale  # nothing to check: the batch is one update old
                 metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale)
                 metrics["rollout/staleness"] = float(stale)

@@ -643,14 +643,47 @@ def _pairs(entries: dict[str, tuple[Any, str]], out: Result, printing: bool) -> 
 def _rollout_correction(entries: dict[str, tuple[Any, str]], out: Result) -> None:
     """verl 0.7+'s algorithm.rollout_correction.rollout_is=token (truncated IS, TIS) becomes verl 0.6's
     algorithm.rollout_is + rollout_is_threshold (+ rollout_is_batch_normalize), and rollout_rs with its threshold
-    algorithm.rollout_rs + rollout_rs_threshold, which each script's table then honours (grpo.py) or refuses
-    (ppo.py); a threshold alone, set in every verl trainer config, is read only with its mode."""
+    algorithm.rollout_rs + rollout_rs_threshold, and bypass_mode with loss_type (or verl 0.6's use_policy_gradient,
+    reinforce when true) algorithm.rollout_bypass + rollout_loss_type, which each script's table then honours
+    (grpo.py) or refuses (ppo.py); a threshold or loss type alone, set in every verl trainer config, is read only
+    with its mode."""
     level = entries.pop("algorithm.rollout_correction.rollout_is", None)
     threshold = entries.pop("algorithm.rollout_correction.rollout_is_threshold", None)
     normalize = entries.pop("algorithm.rollout_correction.rollout_is_batch_normalize", None)
     rs = entries.pop("algorithm.rollout_correction.rollout_rs", None)
     rs_threshold = entries.pop("algorithm.rollout_correction.rollout_rs_threshold", None)
+    bypass = entries.pop("algorithm.rollout_correction.bypass_mode", None)
+    loss_type = entries.pop("algorithm.rollout_correction.loss_type", None)
+    use_pg = entries.pop("algorithm.rollout_correction.use_policy_gradient", None)
     needs_logprobs = None
+    if bypass is None or plain(bypass[0]) in (None, False):
+        for key, given, default in (
+            ("loss_type", loss_type, "ppo_clip"),
+            ("use_policy_gradient", use_pg, False),
+        ):
+            if given is not None and plain(given[0]) not in (None, default):
+                out.note(
+                    f"ignored: algorithm.rollout_correction.{key}={_text(given[0])} (read only with "
+                    "algorithm.rollout_correction.bypass_mode=true)"
+                )
+    else:
+        entries["algorithm.rollout_bypass"] = bypass
+        kind = plain(loss_type[0]) if loss_type is not None and plain(loss_type[0]) is not None else None
+        if use_pg is not None and plain(use_pg[0]) not in (None, False):  # verl 0.6's name for reinforce
+            if kind not in (None, "reinforce"):
+                raise ValueError(
+                    f"{use_pg[1]}: algorithm.rollout_correction.use_policy_gradient={_text(use_pg[0])} (verl 0.6's "
+                    f"loss_type=reinforce) contradicts algorithm.rollout_correction.loss_type={kind}"
+                )
+            kind = "reinforce"
+        if kind is not None:
+            entries["algorithm.rollout_loss_type"] = (kind, (loss_type or use_pg)[1])
+        out.note(
+            "mapped: algorithm.rollout_correction.bypass_mode, loss_type -> algorithm.rollout_bypass, "
+            "algorithm.rollout_loss_type"
+            + (" (use_policy_gradient=true: reinforce)" if use_pg is not None and plain(use_pg[0]) else "")
+        )
+        needs_logprobs = bypass[1]
     if rs is None or plain(rs[0]) is None:
         if rs_threshold is not None and plain(rs_threshold[0]) is not None:
             out.note(

@@ -422,15 +422,25 @@ RL_ALGORITHM: dict[str, Rule] = {
     "rollout_correction.rollout_rs_threshold_lower": Only(
         (None,), "verl 0.6's lower bound; give it in rollout_rs_threshold as lower_upper (verl 0.7+)"
     ),
-    "rollout_correction.bypass_mode": Only((False,), "the trainer always recomputes old logprobs"),
+    "rollout_correction.bypass_mode": Pair(
+        "with its loss_type, as algorithm.rollout_bypass (overrides._pairs)"
+    ),
     "rollout_correction.rollout_token_veto_threshold": Only((None,), "no veto of whole sequences"),
-    "rollout_correction.loss_type": Ignore("read only with bypass_mode"),
-    "rollout_correction.use_policy_gradient": Ignore("read only with bypass_mode"),
+    "rollout_correction.loss_type": Pair(
+        "read with algorithm.rollout_correction.bypass_mode, as algorithm.rollout_loss_type"
+    ),
+    "rollout_correction.use_policy_gradient": Pair(
+        "verl 0.6's loss_type: true is reinforce; read with algorithm.rollout_correction.bypass_mode"
+    ),
     "rollout_correction.*": Ignore("not read: flatrl's rollout correction is the keys above"),
     "rollout_is": Only((False, None), "no rollout importance sampling: old logprobs are recomputed"),
     "rollout_is_batch_normalize": Only((False,), "no rollout importance sampling in ppo.py (grpo.py has it)"),
     "rollout_rs": Only((None,), "no rollout rejection sampling in ppo.py (grpo.py has it)"),
     "rollout_rs_threshold": Ignore("read only with algorithm.rollout_rs"),
+    "rollout_bypass": Only(
+        (False,), "no bypass mode in ppo.py: it recomputes the old logprobs (grpo.py has it)"
+    ),
+    "rollout_loss_type": Ignore("read only with algorithm.rollout_bypass"),
     "rollout_is_level": Ignore("read only with algorithm.rollout_is"),
     "rollout_is_mode": Ignore("read only with algorithm.rollout_is"),
     "rollout_is_threshold": Ignore("read only with algorithm.rollout_is"),
@@ -586,6 +596,8 @@ GRPO: dict[str, Rule] = {
     "algorithm.rollout_is_batch_normalize": Map("algorithm.rollout_is_batch_normalize"),
     "algorithm.rollout_rs": Map("algorithm.rollout_rs"),
     "algorithm.rollout_rs_threshold": Map("algorithm.rollout_rs_threshold"),
+    "algorithm.rollout_bypass": Map("algorithm.rollout_bypass"),
+    "algorithm.rollout_loss_type": Map("algorithm.rollout_loss_type"),
     "algorithm.rollout_is_mode": Only(("truncate",), "grpo.py truncates the weights (TIS); no masking"),
     "algorithm.rollout_is_threshold_lower": Ignore("truncate mode bounds the weights from above only"),
     "algorithm.rollout_is_veto_threshold": Only((None,), "no veto of whole sequences"),

@@ -167,3 +167,232 @@ def test_batch_normalisation_uses_the_mean_over_all_ranks(tmp_path) -> None:
     torch.multiprocessing.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
     means = [json.loads((tmp_path / f"rank{r}.json").read_text())["mean"] for r in range(2)]
     assert all(abs(m - 0.75) < 1e-6 for m in means), means
+
+
+# ------------------------------------------------------------------------ bypass mode (algorithm.rollout_bypass)
+
+ROLLOUT = [[-1.0, -0.5], [-2.0]]  # the engine's logprobs of two responses (2 tokens, 1 token)
+CURRENT = [[-0.8, -0.9], [-1.0]]  # the policy's now: log ratios 0.2, -0.4 and 1.0 against the engine
+ADVANTAGES = [1.0, -2.0]
+
+
+def _bypass_cfg(loss_type: str = "ppo_clip", **alg) -> grpo.GRPOConfig:
+    import rl
+
+    algorithm = grpo.AlgorithmConfig(rollout_bypass=True, rollout_loss_type=loss_type, **alg)
+    return grpo.GRPOConfig(data=rl.RLDataConfig(max_response_length=8), algorithm=algorithm)
+
+
+def _loss(cfg: grpo.GRPOConfig, monkeypatch, old_from_engine: bool = True, current=CURRENT, rank_rows=None):
+    """grpo.policy_loss on the two hand-made responses, the model's forward replaced by `current` (a leaf that
+    takes the gradient); old_logprobs the engine's, as main sets them under rollout_bypass. Returns (loss,
+    metrics, d loss / d logprobs [2, 2])."""
+    rollout, current = rank_rows or (ROLLOUT, current)
+    samples = [
+        actor.Sample([1], [2] * len(r), r, "stop", k, advantages=ADVANTAGES[k % 2])
+        for k, r in enumerate(rollout)
+    ]
+    if old_from_engine:
+        for s in samples:
+            s.old_logprobs = torch.tensor(s.rollout_logprobs)
+    R = max(len(r) for r in current)
+    lp = torch.tensor([r + [0.0] * (R - len(r)) for r in current], requires_grad=True)  # [2, R]
+    monkeypatch.setattr(actor, "forward", lambda model, mb, t, entropy, check: (lp * mb.valid, None))
+    tokens = float(sum(len(r) for r in rollout))
+    mb = actor.MicroBatch.of(
+        samples, actor.Layout(False, 0, torch.device("cpu")), tokens, float(len(samples))
+    )
+    loss, metrics = grpo.policy_loss(None, mb, cfg, None)
+    loss.backward()
+    return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, lp.grad
+
+
+def test_reinforce_is_minus_advantage_weight_logprob(monkeypatch) -> None:
+    """loss_type=reinforce with token TIS at 2: weights e^0.2 = 1.2214, e^-0.4 = 0.6703 and e^1 truncated to 2,
+    from the current logprobs against the engine's; token-mean over the 3 tokens:
+        loss = (-1 * -0.8 * 1.2214  +  -1 * -0.9 * 0.6703  +  2 * -1.0 * 2) / 3 = -0.80654
+    and d loss / d log pi = -A w / 3 per token (the weights are constants: no clip, no ratio). actor/ppo_kl is
+    the mean of log pi_engine - log pi: (-0.2 + 0.4 - 1) / 3. Batch-normalised (token level), every weight is
+    divided by their mean (1.2214 + 0.6703 + 2) / 3 = 1.2972."""
+    w = [math.exp(0.2), math.exp(-0.4), 2.0]
+    loss, m, grad = _loss(_bypass_cfg("reinforce", rollout_is_threshold=2.0, rollout_is=True), monkeypatch)
+    assert abs(loss - (0.8 * w[0] + 0.9 * w[1] - 4.0) / 3) < 1e-6 and abs(loss + 0.80654) < 1e-4
+    assert torch.allclose(grad, torch.tensor([[-w[0] / 3, -w[1] / 3], [2 * w[2] / 3, 0.0]]), atol=1e-6)
+    assert abs(m["actor/ppo_kl"] - (-0.8 / 3)) < 1e-6 and m["actor/pg_clipfrac"] == 0.0
+    assert abs(m["mismatch/rollout_is_mean"] - sum(w) / 3) < 1e-6
+    cfg = _bypass_cfg("reinforce", rollout_is_threshold=2.0, rollout_is=True, rollout_is_batch_normalize=True)
+    loss, m, grad = _loss(cfg, monkeypatch)
+    mean = sum(w) / 3
+    assert abs(m["mismatch/rollout_is_batch_norm_factor"] - mean) < 1e-6
+    assert torch.allclose(grad, torch.tensor([[-w[0], -w[1]], [2 * w[2], 0.0]]) / 3 / mean, atol=1e-6)
+    # without rollout_is the weights are measured, not applied: plain REINFORCE, -A log pi
+    loss, _, grad = _loss(_bypass_cfg("reinforce", rollout_is_threshold=2.0), monkeypatch)
+    assert abs(loss - (0.8 + 0.9 - 2.0) / 3) < 1e-6
+    assert torch.allclose(grad, torch.tensor([[-1.0, -1.0], [2.0, 0.0]]) / 3)
+
+
+def test_bypass_ppo_clip_is_vanilla_against_the_engine(monkeypatch) -> None:
+    """loss_type=ppo_clip: PPO-clip with old = the engine's logprobs, the same loss and gradient as the decoupled
+    vanilla loss given those as its old logprobs, and rollout_is's weights not applied (the ratio is the
+    correction), though measured. By hand: ratios 1.2214 (A=1: clipped at 1.2, no gradient), 0.6703 (A=1:
+    -0.6703) and 2.718 (A=-2: unclipped 5.4366 > clipped 2.4, dual clip at 3: 2 * 3 = 6 > 5.4366 keeps 5.4366)."""
+    on = dict(rollout_is_threshold=2.0, rollout_is=True)
+    loss, m, grad = _loss(_bypass_cfg("ppo_clip", **on), monkeypatch)
+    r = [math.exp(0.2), math.exp(-0.4), math.exp(1.0)]
+    assert abs(loss - (-1.2 - r[1] + 2 * r[2]) / 3) < 1e-6
+    assert torch.allclose(grad, torch.tensor([[0.0, -r[1] / 3], [2 * r[2] / 3, 0.0]]), atol=1e-6)
+    assert (
+        abs(m["actor/pg_clipfrac"] - 1 / 3) < 1e-6
+        and abs(m["mismatch/rollout_is_mean"] - (r[0] + r[1] + 2) / 3) < 1e-6
+    )
+    decoupled = grpo.GRPOConfig(data=_bypass_cfg().data)  # no rollout correction; old_logprobs = the engine's
+    loss2, m2, grad2 = _loss(decoupled, monkeypatch)
+    assert loss2 == loss and torch.equal(grad2, grad) and m2["actor/ppo_kl"] == m["actor/ppo_kl"]
+
+
+def test_bypass_rejection_uses_the_current_policy(monkeypatch) -> None:
+    """rollout_rs=token_k1 with 0.8_1.25 keeps a token while pi_engine / pi lies in [0.8, 1.25]. The old logprobs
+    are the engine's (ratio 1 everywhere: a mask from them would keep all); by the current policy, log ratios 0.2
+    (k1 -0.2 >= log 0.8 = -0.223: kept), -0.4 (k1 0.4 > log 1.25 = 0.223: dropped) and 1.0 (dropped). REINFORCE
+    then trains the first token alone, still divided by all 3 tokens (verl's bypass rejects inside the loss,
+    after the mini-batch's token count); moving the current logprobs moves the mask."""
+    cfg = _bypass_cfg("reinforce", rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
+    loss, m, grad = _loss(cfg, monkeypatch)
+    assert abs(loss - 0.8 / 3) < 1e-6
+    assert torch.allclose(grad, torch.tensor([[-1 / 3, 0.0], [0.0, 0.0]]))
+    assert abs(m["mismatch/rollout_rs_masked_fraction"] - 2 / 3) < 1e-6
+    assert abs(m["mismatch/rollout_rs_seq_masked_fraction"] - 1.0) < 1e-6  # both responses lost a token
+    assert abs(m["actor/ppo_kl"] - (-0.2 / 3)) < 1e-6  # over the kept token
+    # the policy now agrees with the engine on every token but the first: only that one goes
+    loss, m, grad = _loss(cfg, monkeypatch, current=[[-0.5, -0.5], [-2.0]])
+    assert torch.allclose(grad, torch.tensor([[0.0, -1 / 3], [2 / 3, 0.0]]))
+    assert abs(m["mismatch/rollout_rs_masked_fraction"] - 1 / 3) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "cfg_kw, needle",
+    [
+        (
+            dict(rollout_loss_type="reinforce"),
+            "algorithm.rollout_loss_type=reinforce needs algorithm.rollout_bypass",
+        ),
+    ],
+)
+def test_bypass_config_errors_name_the_keys(cfg_kw, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        grpo.AlgorithmConfig(**cfg_kw)
+
+
+def _bypass_rank_main(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks running policy_loss on its micro-batch under rollout_bypass with token-level batch
+    normalisation: rank 0 one token of ratio 1.5, rank 1 three of 0.5; then a second micro-batch call that rank 1
+    has no samples for (it joins the all-reduce as actor.update's on_empty does)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    rows = ([[-1.0]], [[-1.0 + math.log(1.5)]]) if rank == 0 else ([[-1.0] * 3], [[-1.0 + math.log(0.5)] * 3])
+
+    class Patch:  # _loss's monkeypatch, by hand
+        def setattr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    alg = dict(rollout_is_threshold=2.0, rollout_is=True, rollout_is_batch_normalize=True)
+    cfg = _bypass_cfg("reinforce", **alg)
+    _, m, grad = _loss(cfg, Patch(), rank_rows=rows)
+    result = {"factor_share": m["mismatch/rollout_is_batch_norm_factor"], "grad": grad.tolist()}
+    if rank == 0:  # a second micro-batch call; rank 1's is empty
+        result["alone"] = float(
+            grpo.correct(torch.tensor([[math.log(1.5)]]), torch.ones(1, 1), cfg.algorithm).norm
+        )
+    else:
+        grpo.weights_mean(torch.zeros(0, 1), torch.zeros(0, 1), "token")
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_bypass_batch_normalisation_is_the_micro_batch_mean_over_all_ranks(tmp_path) -> None:
+    """Each micro-batch's factor is the token mean of the truncated weights over both ranks' micro-batches,
+    (1.5 + 3 x 0.5) / 4 = 0.75, on each (not rank 0's 1.5 nor rank 1's 0.5): rank 0's gradient -A w / 0.75 / 1
+    token = -2, rank 1's -0.5 / 0.75 / 3 a token. A rank without samples joins with nothing: rank 0 alone then
+    gets its own 1.5."""
+    from conftest import free_port
+
+    torch.multiprocessing.spawn(_bypass_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert abs(r0["grad"][0][0] - (-1.5 / 0.75)) < 1e-5, r0
+    assert all(abs(g - (-0.5 / 0.75 / 3)) < 1e-5 for g in r1["grad"][0]), r1
+    assert abs(r0["factor_share"] - 0.75) < 1e-5 and abs(r1["factor_share"] - 0.75) < 1e-5
+    assert abs(r0["alone"] - 1.5) < 1e-6
+
+
+@pytest.mark.parametrize("mini_batch", [4, 2])
+def test_bypass_on_the_toy_skips_the_old_logprob_pass(
+    one_rank, toy_dir, tmp_path, monkeypatch, mini_batch
+) -> None:
+    """grpo.py with rollout_bypass on the toy (hf engine, 4 prompts x 2): no old-logprob pass runs (no
+    timing_s/old_logprob), the update sees every sample's old logprobs equal to the engine's, and the push check
+    still runs: in the update's own forward with one optimizer step a batch (no compute_logprobs call at all),
+    else in a pass of its own over one prompt's 2 samples (copies: the samples keep the engine's)."""
+    import dataclasses
+
+    from conftest import read_metrics, toy_grpo_config
+
+    calls, seen = [], []
+    real_logprobs, real_update = actor.compute_logprobs, actor.update
+
+    def compute_logprobs(model, samples, *args, **kw):
+        calls.append(len(samples))
+        return real_logprobs(model, samples, *args, **kw)
+
+    def update(model, optimizer, guard, samples, *args, **kw):
+        seen.append(all(torch.equal(s.old_logprobs, torch.tensor(s.rollout_logprobs)) for s in samples))
+        return real_update(model, optimizer, guard, samples, *args, **kw)
+
+    monkeypatch.setattr(actor, "compute_logprobs", compute_logprobs)
+    monkeypatch.setattr(actor, "update", update)
+    fn = tmp_path / "length_reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3)\n"
+    )
+    algorithm = grpo.AlgorithmConfig(
+        rollout_bypass=True,
+        rollout_is_threshold=2.0,
+        rollout_is=True,
+        rollout_rs="token_k3",
+        rollout_rs_threshold=1e-3,
+    )
+    cfg = toy_grpo_config(
+        toy_dir,
+        tmp_path / "run",
+        fn,
+        steps=2,
+        lr=1e-2,
+        algorithm=algorithm,
+        rollout_kw={"logprob_check_prompts": -1},
+    )
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, ppo_mini_batch_size=mini_batch))
+    grpo.main(cfg)
+    rows = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
+    assert len(rows) == 2 and seen == [True, True]
+    assert calls == ([] if mini_batch == 4 else [2, 2])
+    for r in rows:
+        assert "timing_s/old_logprob" not in r and ("timing_s/push_check" in r) == (mini_batch == 2)
+        assert r["rollout/logprob_diff_mean"] < 1e-4 and r["actor/entropy"] > 0
+        # one mini-batch: the policy that sampled, which drops nothing; two: the second, after a step at lr 1e-2,
+        # has moved from the engine and drops tokens (k3 > 1e-3), the first none (the mean of the two <= 0.5)
+        dropped = r["mismatch/rollout_rs_masked_fraction"]
+        assert dropped == 0.0 if mini_batch == 4 else 0.0 < dropped <= 0.5, dropped
+    hot = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.7))
+    with pytest.raises(
+        SystemExit, match="algorithm.rollout_bypass needs the engine's logprobs of every sample at"
+    ):
+        grpo.main(hot)
+    policy_loss = dataclasses.replace(cfg.actor.policy_loss, loss_mode="gspo")
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, policy_loss=policy_loss))
+    with pytest.raises(
+        SystemExit, match="algorithm.rollout_bypass needs actor.policy_loss.loss_mode=vanilla"
+    ):
+        grpo.main(cfg)

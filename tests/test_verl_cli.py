@@ -852,6 +852,62 @@ def test_rollout_correction_rejection_sampling_and_batch_normalize(tmp_path):
     assert "ignored: algorithm.rollout_correction.rollout_is_batch_normalize=true" in err
 
 
+def test_rollout_correction_bypass_mode_of_verls_examples(tmp_path):
+    """verl's examples/rollout_correction command lines: bypass_mode=true with loss_type reach
+    algorithm.rollout_bypass and rollout_loss_type beside their rollout_is / batch normalisation / rollout_rs keys,
+    and want every sample's engine logprobs; verl 0.6's use_policy_gradient=true is loss_type=reinforce; a loss
+    type without bypass_mode is ignored; ppo.py refuses bypass_mode by name."""
+    key = "algorithm.rollout_correction"
+    rloo = [  # run_with_rollout_corr.sh
+        f"{key}.rollout_is=sequence", f"{key}.rollout_is_threshold=2.0", f"{key}.rollout_is_batch_normalize=true",
+        f"{key}.rollout_rs=null", f"{key}.rollout_rs_threshold=null", f"{key}.bypass_mode=true",
+        f"{key}.loss_type=reinforce", "algorithm.adv_estimator=rloo",
+    ]  # fmt: skip
+    c, err = print_config("grpo.py", rloo, grpo.GRPOConfig, tmp_path, world_size=None)
+    a = c.algorithm
+    assert (a.rollout_bypass, a.rollout_loss_type, a.rollout_is, a.rollout_is_level) == (
+        True, "reinforce", True, "sequence"
+    )  # fmt: skip
+    assert a.rollout_is_batch_normalize and a.rollout_rs is None and c.rollout.logprob_check_prompts == -1
+    assert "mapped: algorithm.rollout_correction.bypass_mode, loss_type -> algorithm.rollout_bypass" in err
+    multi_rs = [  # run_with_rollout_corr_multi_rs.sh
+        f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0", f"{key}.rollout_is_batch_normalize=false",
+        f"{key}.rollout_rs='token_k1,seq_max_k2'", f"{key}.rollout_rs_threshold='0.6_1.6,2.5'",
+        f"{key}.bypass_mode=true", f"{key}.loss_type=ppo_clip",
+    ]  # fmt: skip
+    c, _ = print_config("grpo.py", multi_rs, grpo.GRPOConfig, tmp_path, world_size=None)
+    a = c.algorithm
+    assert (a.rollout_bypass, a.rollout_loss_type, a.rollout_rs, a.rollout_rs_threshold) == (
+        True, "ppo_clip", "token_k1,seq_max_k2", "0.6_1.6,2.5"
+    )  # fmt: skip
+    c, err = print_config(
+        "grpo.py", [f"{key}.bypass_mode=true", f"{key}.use_policy_gradient=true"], grpo.GRPOConfig, tmp_path,
+        world_size=None,
+    )  # fmt: skip
+    assert (c.algorithm.rollout_bypass, c.algorithm.rollout_loss_type) == (True, "reinforce")
+    assert c.rollout.logprob_check_prompts == -1 and "use_policy_gradient=true: reinforce" in err
+    c, err = print_config(
+        "grpo.py", [f"{key}.loss_type=reinforce"], grpo.GRPOConfig, tmp_path, world_size=None
+    )
+    assert c.algorithm == grpo.AlgorithmConfig()
+    assert "ignored: algorithm.rollout_correction.loss_type=reinforce (read only with" in err
+    for script, args, needle in [
+        (
+            "ppo.py",
+            [f"{key}.bypass_mode=true"],
+            "algorithm.rollout_bypass=true cannot be honoured: no bypass mode",
+        ),
+        (
+            "grpo.py",
+            [f"{key}.bypass_mode=true", f"{key}.use_policy_gradient=true", f"{key}.loss_type=ppo_clip"],
+            "use_policy_gradient=true (verl 0.6's loss_type=reinforce) contradicts",
+        ),
+    ]:
+        p = run(script, [*args, "--print-config"], None)
+        assert p.returncode != 0 and needle in p.stderr, p.stderr
+        assert len([x for x in p.stderr.splitlines() if x.startswith("error")]) == 1, p.stderr
+
+
 def test_verl_config_path_resolves_in_an_installed_verl(tmp_path):
     """verl's examples write `--config-path=config --config-name=ppo_trainer`, which Hydra reads relative to
     verl/trainer: found there when verl is installed (located, not imported: its __init__ would fail); Megatron
