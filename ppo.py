@@ -50,6 +50,17 @@ import sp
 
 
 @dataclass(frozen=True)
+class PFPPOConfig:
+    """PF-PPO's resampling weights (verl's algorithm.pf_ppo)."""
+
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    """pow: |score| ** weight_pow; max_min: 1 for the batch's highest and lowest scores, 0 for the rest; max_random:
+    0.4 for the highest score, 0.1 for the rest (all + 1e-8, as verl)."""
+    weight_pow: float = 2.0
+    """The exponent of `pow`."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """Rewards and advantages."""
 
@@ -65,6 +76,13 @@ class AlgorithmConfig:
     """KL estimator in the reward: kl (k1), abs, mse (k2), low_var_kl (k3)."""
     kl_ctrl: rl.KLControlConfig = field(default_factory=rl.KLControlConfig)
     """The coefficient's controller."""
+    use_pf_ppo: bool = False
+    """PF-PPO (verl's algorithm.use_pf_ppo; Zhang et al. 2024, arXiv:2409.06957): after GAE, the step's responses
+    are redrawn with replacement, as many as there were, weighted by their scores (`pf_ppo`), and the critic and
+    the actor train on the redraw (`pf_ppo_resample`). verl redraws the whole batch at once; here each rank
+    redraws its own share (the max and min scores are the batch's), so every rank keeps its number of samples."""
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
+    """The weights of the redraw."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +211,30 @@ def advantages_and_returns(
     if spread > 1e-8:  # how much of the returns' variance the values (before this step's update) explain
         metrics["critic/explained_variance"] = 1.0 - var(resid) / spread
     return metrics
+
+
+def pf_ppo_resample(
+    samples: list[actor.Sample], cfg: PFPPOConfig, generator: torch.Generator
+) -> list[actor.Sample]:
+    """PF-PPO's redraw of this rank's samples (verl's compute_pf_ppo_reweight_data): len(samples) draws with
+    replacement, sample i with probability proportional to w_i + 1e-8, w from its score (the reward before any KL
+    penalty): |score| ** weight_pow (pow); 1 at the batch's highest or lowest score, else 0 (max_min); 0.4 at the
+    highest, else 0.1 (max_random). Collective (the batch's max and min): every rank calls it."""
+    scores = torch.tensor([s.score for s in samples], dtype=torch.float64)  # [S]
+    hi = fsdp.all_reduce(scores.max().item() if len(samples) else -float("inf"), "max")
+    lo = fsdp.all_reduce(scores.min().item() if len(samples) else float("inf"), "min")
+    if not samples:
+        return []
+    if cfg.reweight_method == "pow":
+        weights = scores.abs() ** cfg.weight_pow
+    elif cfg.reweight_method == "max_min":
+        weights = ((scores == hi) | (scores == lo)).double()
+    else:
+        weights = torch.where(scores == hi, 0.4, 0.1).double()
+    picks = torch.multinomial(
+        (weights + 1e-8).clamp(min=1e-8), len(samples), replacement=True, generator=generator
+    )
+    return [replace(samples[i]) for i in picks.tolist()]  # copies: a response drawn twice trains twice
 
 
 # ------------------------------------------------------------------------------------------ objectives
@@ -361,8 +403,17 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                     metrics = scores()
                 with timer("adv"):
                     metrics |= advantages_and_returns(samples, cfg.algorithm, kl_ctrl)
+                trained = samples  # PF-PPO: the redraw trains; the log reports what was generated
+                if cfg.algorithm.use_pf_ppo:
+                    seed = rl.rollout_seed(cfg.rollout.seed, step, run.dist.rank)
+                    pick = torch.Generator().manual_seed(seed)
+                    trained = pf_ppo_resample(samples, cfg.algorithm.pf_ppo, pick)
+                    drawn = len({id(t.response_ids) for t in trained})  # the copies share their response
+                    metrics["pf_ppo/unique_fraction"] = fsdp.all_reduce(drawn) / max(
+                        1.0, fsdp.all_reduce(len(trained))
+                    )
                 with timer("update_critic"):
-                    batch = (samples, len(prompts), cfg.critic, critic_layout)
+                    batch = (trained, len(prompts), cfg.critic, critic_layout)
                     loss_fn = functools.partial(value_loss, cfg=cfg)
                     metrics |= actor.update(
                         critic, critic_optimizer, guard, *batch, loss_fn, prefix="critic/"
@@ -372,7 +423,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 if train_actor:
                     with timer("update_actor"):
                         loss_fn = functools.partial(policy_loss, cfg=cfg, check=check if one_step else None)
-                        batch = (samples, len(prompts), cfg.actor, run.layout)
+                        batch = (trained, len(prompts), cfg.actor, run.layout)
                         metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
                     metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                     scheduler.step()

@@ -408,8 +408,8 @@ RL_DATA: dict[str, Rule] = {
 
 # algorithm.*: adv_estimator, kl_penalty, use_kl_in_reward and kl_ctrl.* are flatrl's names; gamma and lam in ppo.py.
 RL_ALGORITHM: dict[str, Rule] = {
-    "use_pf_ppo": Only((False,), "no preference-feedback PPO reweighting"),
-    "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo"),
+    "use_pf_ppo": Ignore("verl redraws the batch by score only after GAE: ppo.py has PF-PPO"),
+    "pf_ppo.*": Ignore("read only with algorithm.use_pf_ppo (ppo.py)"),
     "filter_groups.enable": Only((False,), "no DAPO dynamic sampling in ppo.py (grpo.py has it)"),
     "filter_groups.*": Ignore("read only with algorithm.filter_groups.enable"),
     "rollout_correction.rollout_is": Pair("with its threshold, as algorithm.rollout_is (overrides._pairs)"),
@@ -651,6 +651,9 @@ PPO_CRITIC: dict[str, Rule] = {
 
 PPO: dict[str, Rule] = {
     "algorithm.norm_adv_by_std_in_grpo": Ignore("grpo.py's option; ppo.py whitens its GAE advantages"),
+    "algorithm.use_pf_ppo": Map("algorithm.use_pf_ppo"),
+    "algorithm.pf_ppo.reweight_method": Map("algorithm.pf_ppo.reweight_method"),
+    "algorithm.pf_ppo.weight_pow": Map("algorithm.pf_ppo.weight_pow"),
     **_under("critic", PPO_CRITIC),
 }
 

@@ -192,3 +192,100 @@ def test_update_critic_recomputes_with_checkpointing_and_leaves_eval_mode(
     assert losses_seen[0] > 0 and losses_seen[2] < losses_seen[0], losses_seen  # it fits the returns
     assert modes == [True] * 3 * 3 * (2 if checkpointing else 1)
     assert not any(m.training for m in critic.modules())
+
+
+# ------------------------------------------------------------------------------- PF-PPO (algorithm.use_pf_ppo)
+
+
+def _scored(scores: list[float]) -> list:
+    import actor
+
+    return [actor.Sample([1], [2, 3], None, "stop", i, score=float(x)) for i, x in enumerate(scores)]
+
+
+def test_pf_ppo_redraws_by_score(one_rank):
+    """verl's compute_pf_ppo_reweight_data: as many draws as samples, with replacement, by |score|^pow, by the
+    batch's extreme scores, or 0.4 at the top against 0.1; copies, so a twice-drawn response trains twice."""
+    samples = _scored([0.0, 1.0, 2.0, 0.5] * 500)
+    gen = torch.Generator().manual_seed(0)
+    drawn = ppo.pf_ppo_resample(samples, ppo.PFPPOConfig("pow", 2.0), gen)
+    share = {x: sum(s.score == x for s in drawn) / len(drawn) for x in (0.0, 0.5, 1.0, 2.0)}
+    assert len(drawn) == len(samples) and share[0.0] == 0  # weights 1e-8 : 0.25 : 1 : 4
+    assert abs(share[2.0] - 4 / 5.25) < 0.03 and abs(share[0.5] - 0.25 / 5.25) < 0.02, share
+    assert len({id(s) for s in drawn}) == len(drawn)  # each draw its own Sample
+    extremes = ppo.pf_ppo_resample(samples, ppo.PFPPOConfig("max_min"), gen)
+    assert {s.score for s in extremes} == {0.0, 2.0}
+    top = ppo.pf_ppo_resample(samples, ppo.PFPPOConfig("max_random"), gen)
+    share_top = sum(s.score == 2.0 for s in top) / len(top)
+    assert abs(share_top - 0.4 / (0.4 + 3 * 0.1)) < 0.03, share_top  # 500 at 0.4 against 1500 at 0.1
+
+
+def _pf_rank_main(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: rank 0 holds scores 0 and 1, rank 1 scores 1 and 2."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mine = _scored([0.0, 1.0] * 50 if rank == 0 else [1.0, 2.0] * 50)
+    drawn = ppo.pf_ppo_resample(mine, ppo.PFPPOConfig("max_min"), torch.Generator().manual_seed(rank))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(sorted({s.score for s in drawn})))
+    dist.destroy_process_group()
+
+
+def test_pf_ppo_extremes_are_the_whole_batchs(tmp_path):
+    """max_min keeps the batch's lowest (0, on rank 0) and highest (2, on rank 1) scores: the 1s on both ranks
+    are neither, though each is an extreme of its own rank's share."""
+    import json
+
+    from conftest import free_port
+
+    torch.multiprocessing.spawn(_pf_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    kept = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert kept == [[0.0], [2.0]], kept
+
+
+def test_pf_ppo_on_the_toy_trains_the_redraw(one_rank, toy_dir, tmp_path, monkeypatch):
+    """ppo.py with use_pf_ppo on the toy (hf engine, 4 prompts x 2, max_min): both updates get the redraw, which
+    holds only the step's extreme scores; pf_ppo/unique_fraction says how much of the batch was drawn."""
+    import dataclasses
+
+    from conftest import read_metrics, toy_grpo_config
+
+    import actor
+
+    fn = tmp_path / "length_reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(solution_str) % 3)\n"
+    )
+    g = toy_grpo_config(toy_dir, tmp_path / "run", fn, steps=2, lr=1e-3)
+    critic = ppo.CriticConfig(
+        model=dataclasses.replace(g.model, path=""), ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4
+    )
+    algorithm = ppo.AlgorithmConfig(use_pf_ppo=True, pf_ppo=ppo.PFPPOConfig("max_min"))
+    shared = {
+        f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("algorithm", "trainer")
+    }
+    trainer = ppo.PPOTrainerConfig(
+        **{f.name: getattr(g.trainer, f.name) for f in dataclasses.fields(g.trainer)}
+    )
+    cfg = ppo.PPOConfig(**shared, critic=critic, algorithm=algorithm, trainer=trainer)
+    seen, real_update = [], actor.update
+
+    def update(model, optimizer, guard, samples, *args, **kw):
+        seen.append(sorted({s.score for s in samples}))
+        return real_update(model, optimizer, guard, samples, *args, **kw)
+
+    monkeypatch.setattr(actor, "update", update)
+    ppo.main(cfg)
+    rows = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
+    assert len(rows) == 2 and len(seen) == 4  # critic and actor, two steps
+    for r, (critic_scores, actor_scores) in zip(rows, zip(seen[::2], seen[1::2], strict=True), strict=True):
+        assert critic_scores == actor_scores and len(critic_scores) <= 2  # only the step's extremes
+        assert 0 < r["pf_ppo/unique_fraction"] <= 1
+    assert min(r["pf_ppo/unique_fraction"] for r in rows) < 1  # 8 draws with replacement repeat some
