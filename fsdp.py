@@ -569,7 +569,10 @@ class OptimizerOffload:
 
     @torch.no_grad()
     def reload(self) -> None:
-        """Re-allocates the device storage and copies the state back (a no-op when not offloaded)."""
+        """Re-allocates the device storage and copies the state back (a no-op when not offloaded: the host buffers
+        outlive an offload, so the second optimizer step of an update finds them and nothing freed)."""
+        if not self.freed:
+            return
         for (t, nbytes), h in zip(self.freed, self.host, strict=True):
             t.untyped_storage().resize_(nbytes)
             t.copy_(h, non_blocking=True)

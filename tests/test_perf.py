@@ -331,6 +331,32 @@ def test_gpu_optimizer_offload_round_trip(one_rank):
     model(torch.randn(4, 256, device="cuda")).sum().backward()
     opt.step()  # reloads first (hook), then updates the state in place
     assert not offload.freed and not all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+    opt.step()  # an update's second optimizer step: nothing is offloaded, the host buffers stay for the next push
+
+
+def test_optimizer_offload_reload_is_a_no_op_when_nothing_is_offloaded(monkeypatch):
+    """The host buffers outlive an offload; a reload with nothing freed (an update's second optimizer step, or a
+    state_dict() after the first) must leave the state alone. It raised on the GPU until 2026-12-06 (zip of no
+    freed tensors against the kept buffers), at every update of more than one optimizer step. On CPU the class
+    leaves host state alone, so the device tensors are stood in for by host ones here."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    offload = fsdp.OptimizerOffload(opt)
+    moments = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
+    monkeypatch.setattr(offload, "_device_tensors", lambda: moments)
+    before = [t.clone() for t in moments]
+    offload.offload()
+    assert all(t.untyped_storage().nbytes() == 0 for t in moments) and len(offload.host) == 4
+    opt.step()  # the hook reloads, then the step moves the state
+    assert all(t.untyped_storage().nbytes() > 0 for t in moments) and not offload.freed
+    after_first = [t.clone() for t in moments]
+    assert not all(torch.equal(a, b) for a, b in zip(before, after_first, strict=True))
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # the second step of the same update: reload has nothing to bring back
+    assert not all(torch.equal(a, b) for a, b in zip(after_first, moments, strict=True))
+    opt.state_dict()
 
 
 def test_optimizer_offload_before_the_engine_the_first_push_and_after_a_save(monkeypatch, tmp_path):
