@@ -458,6 +458,13 @@ def parse(cls: type[T], argv: list[str] | None = None) -> T:
     pre.add_argument("--config-name", "--config_name", "-cn", dest="config_name", default=None)
     pre.add_argument("--print-config", action="store_true")
     opts, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    for i, t in enumerate(rest):  # tyro would print a box of "Unrecognized options" with the blank in it
+        if not t.strip() and not (i and rest[i - 1].startswith("--")):
+            after = f" after {rest[i - 1]!r}" if i else ""
+            raise SystemExit(
+                f"error: command line argument {t!r}{after} is blank: in a shell script, a backslash before a "
+                "space and a comment (`\\  # ...`) passes one and ends the command there; remove the comment"
+            )
     given = [m for m in map(overrides.match, rest) if m is not None]
     tyro_args = bool_flags(cls, [t for t in rest if overrides.match(t) is None])
     entries: dict[str, tuple[Any, str]] = {}  # dotted key as the user wrote it -> (value, origin)

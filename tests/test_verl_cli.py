@@ -485,6 +485,18 @@ def test_verl_model_dtype_reaches_each_model(capsys):
     assert "\n" not in msg
 
 
+def test_a_blank_argument_is_one_line_naming_what_came_before():
+    """verl's PF-PPO example ends a line with `\\  # [...]`: bash passes a blank argument and ends the command.
+    One line says so (tyro would print a box); a blank value of a flag stays a value."""
+    with pytest.raises(SystemExit) as e:
+        config.parse(
+            ppo.PPOConfig, ["algorithm.use_pf_ppo=True", "algorithm.pf_ppo.reweight_method=pow", " "]
+        )
+    msg = str(e.value.code)
+    assert "' ' after 'algorithm.pf_ppo.reweight_method=pow' is blank" in msg and "\n" not in msg, msg
+    assert config.parse(ppo.PPOConfig, ["--trainer.project_name", " "]).trainer.project_name == " "
+
+
 def test_overrides_and_precedence(tmp_path, capsys):
     path = tmp_path / "x.yaml"
     path.write_text("actor:\n  ppo_epochs: 4\n  optim: {lr: 3e-6}\ntrainer: {experiment_name: from-yaml}\n")
