@@ -19,7 +19,8 @@
 # call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
 #   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
-#   defaults   (no carry, ~6 min)      flatrl with its defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
+#   defaults   (no carry, ~6 min; 7.5 on a slow H100 host, 2026-12-06: give it the full 600 s)  flatrl with its
+#                                      defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
 #   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
 #                                      own process session, flatrl's figures from the defaults part's JSON on this
 #                                      machine (--flatrl-from), so the ratios come out; follows it for WAIT_S s
