@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import actor
+import correction
 import grpo
 
 
@@ -22,7 +23,7 @@ def _keep(modes: str, threshold: str, rows: list[list[float]], lengths: list[int
     R = max(len(r) for r in rows)
     log_ratio = torch.tensor([r + [5.0] * (R - len(r)) for r in rows], dtype=torch.float64)
     valid = actor.mask_of(lengths, torch.device("cpu"), R).double()
-    keep, _ = grpo.rejection_mask(log_ratio, valid, grpo.rs_bounds(modes, threshold))
+    keep, _ = correction.rejection_mask(log_ratio, valid, correction.rs_bounds(modes, threshold))
     return [row[:n].tolist() for row, n in zip(keep, lengths, strict=True)]
 
 
@@ -105,7 +106,7 @@ def test_token_level_batch_normalisation_makes_the_mean_weight_one() -> None:
     """Token weights min(ratio, 2) of 1.5, 2 (3 truncated), 0.5 and 1: their mean over the 4 tokens, 1.25, is the
     factor, and the weights divided by it average exactly 1 over the response tokens."""
     rows = [[math.log(1.5), math.log(3.0)], [math.log(0.5), 0.0]]
-    mean, metrics = grpo.rollout_correction(_samples(rows), _algorithm("token"))
+    mean, metrics = correction.rollout_correction(_samples(rows), _algorithm("token"))
     assert abs(mean - 1.25) < 1e-6 and metrics["mismatch/rollout_is_batch_norm_factor"] == mean
     w = torch.tensor([[1.5, 2.0], [0.5, 1.0]])
     assert abs(float((w / mean).mean()) - 1.0) < 1e-6
@@ -117,7 +118,7 @@ def test_sequence_level_batch_normalisation_averages_responses_not_tokens() -> N
     by it average 1."""
     h = math.log(3.0) / 2
     rows = [[math.log(1.5)], [h, h], [math.log(0.5) / 3] * 3]
-    mean, _ = grpo.rollout_correction(_samples(rows), _algorithm("sequence"))
+    mean, _ = correction.rollout_correction(_samples(rows), _algorithm("sequence"))
     assert abs(mean - 4 / 3) < 1e-6
     assert abs(sum(w / mean for w in (1.5, 2.0, 0.5)) / 3 - 1.0) < 1e-6
 
@@ -128,7 +129,7 @@ def test_rejection_sets_loss_masks_and_logs_fractions() -> None:
     rows = [[0.0, 0.55, 0.4], [0.4, 2.3, 0.0], [0.0, 0.0]]
     samples = _samples(rows)
     alg = grpo.AlgorithmConfig(rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.6_1.6,2.5")
-    mean, m = grpo.rollout_correction(samples, alg)
+    mean, m = correction.rollout_correction(samples, alg)
     assert mean == 1.0
     assert [s.loss_mask.tolist() for s in samples] == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0]]
     assert [s.loss_tokens for s in samples] == [2.0, 0.0, 2.0]
@@ -154,7 +155,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     rows = [[math.log(1.5)]] if rank == 0 else [[math.log(0.5)] * 3]
-    mean, metrics = grpo.rollout_correction(_samples(rows), _algorithm("token"))
+    mean, metrics = correction.rollout_correction(_samples(rows), _algorithm("token"))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"mean": mean}))
     dist.destroy_process_group()
 
@@ -304,10 +305,10 @@ def _bypass_rank_main(rank: int, port: int, out: str) -> None:
     result = {"factor_share": m["mismatch/rollout_is_batch_norm_factor"], "grad": grad.tolist()}
     if rank == 0:  # a second micro-batch call; rank 1's is empty
         result["alone"] = float(
-            grpo.correct(torch.tensor([[math.log(1.5)]]), torch.ones(1, 1), cfg.algorithm).norm
+            correction.correct(torch.tensor([[math.log(1.5)]]), torch.ones(1, 1), cfg.algorithm).norm
         )
     else:
-        grpo.weights_mean(torch.zeros(0, 1), torch.zeros(0, 1), "token")
+        correction.weights_mean(torch.zeros(0, 1), torch.zeros(0, 1), "token")
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
