@@ -598,8 +598,9 @@ def update(
     Args:
         n_prompts: prompts of this rank's share (sample.group < n_prompts).
         cfg: ActorConfig or ppo.CriticConfig: ppo_epochs, ppo_mini_batch_size, the micro-batch sizes, grad_clip.
-        on_empty: run in place of loss_fn on a rank whose micro-batch is empty, to pair loss_fn's own collectives
-            (every rank runs the same number of micro-batches; grpo.py's rollout_bypass all-reduces in each).
+        on_empty: run in place of loss_fn on a rank whose micro-batch is empty, between the empty forward and its
+            backward, where loss_fn's own collectives fall, to pair them (every rank runs the same number of
+            micro-batches; grpo.py's rollout_bypass all-reduces in each).
     Returns:
         loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks.
     """
@@ -622,9 +623,10 @@ def update(
                 if (
                     not g
                 ):  # this rank ran out of samples: an empty pass keeps FSDP's collectives paired; adds 0
-                    (sp.forward_logits(model, mb.inputs).sum() * 0).backward()
-                    if on_empty is not None:
-                        on_empty()
+                    nothing = sp.forward_logits(model, mb.inputs).sum() * 0
+                    if on_empty is not None:  # where loss_fn's collectives fall: after the forward's gathers,
+                        on_empty()  # before the backward's reductions (NCCL pairs a group's calls in order)
+                    nothing.backward()
                     continue
                 loss, metrics = loss_fn(model, mb)
                 (loss * world).backward()  # FSDP averages gradients over ranks; each rank's loss is its share

@@ -397,3 +397,66 @@ def test_bypass_on_the_toy_skips_the_old_logprob_pass(
         SystemExit, match="algorithm.rollout_bypass needs actor.policy_loss.loss_mode=vanilla"
     ):
         grpo.main(cfg)
+
+
+def _update_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    """One of 2 gloo ranks running actor.update (FSDP2 over both) with grpo.policy_loss under rollout_bypass and
+    batch normalisation, one sample a micro-batch: rank 0 holds 2 prompts x 2 samples, rank 1 2 x 1, so rank 1 runs two empty
+    micro-batches, whose on_empty must meet rank 0's all-reduces in order."""
+    import dataclasses
+    import functools
+
+    import fsdp
+    import optim
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    d = fsdp.init_distributed(timeout_s=60)
+    model, _ = actor.load(actor.ModelConfig(path=model_dir, enable_gradient_checkpointing=False), d.device)
+    optimizer, _ = optim.build(model.parameters(), optim.OptimConfig(lr=1e-2), total_steps=2)
+    gen = torch.Generator().manual_seed(rank)
+    samples = []
+    for g in range(2):  # 2 prompts a rank; rank 1 kept 1 response of each (as if its others were filtered)
+        for k in range(2 if rank == 0 else 1):
+            ids = torch.randint(1, 64, (9,), generator=gen).tolist()
+            s = actor.Sample(ids[:5], ids[5:], [-4.0] * 4, "stop", g, advantages=1.0 if k else -1.0)
+            s.old_logprobs = torch.tensor(s.rollout_logprobs)
+            samples.append(s)
+    cfg = _bypass_cfg("reinforce", rollout_is_threshold=2.0, rollout_is=True, rollout_is_batch_normalize=True)
+    a = dataclasses.replace(
+        cfg.actor, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=False
+    )
+    none = torch.zeros(0, 1)
+    m = actor.update(
+        model,
+        optimizer,
+        optim.SkipGuard(5),
+        samples,
+        2,
+        a,
+        actor.Layout(True, 0, d.device),
+        functools.partial(grpo.policy_loss, cfg=dataclasses.replace(cfg, actor=a), check=None),
+        on_empty=functools.partial(correction.weights_mean, none, none, "token"),
+    )
+    factor = m["mismatch/rollout_is_batch_norm_factor"]
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"grad_norm": m["actor/grad_norm"], "factor": factor})
+    )
+    fsdp.close_distributed(finished=True)
+
+
+def test_bypass_update_pairs_an_empty_rank_with_the_loss_all_reduces(tmp_path, tiny_qwen2) -> None:
+    """actor.update's on_empty through FSDP2 on 2 ranks: the rank without samples for a micro-batch joins the
+    loss's all-reduce between its empty forward and backward, where the other rank's falls, so the update ends,
+    with the same finite gradient norm and batch-norm factor on both ranks (all-rank means)."""
+    from conftest import free_port
+
+    torch.multiprocessing.spawn(
+        _update_rank_main, args=(free_port(), str(tiny_qwen2), str(tmp_path)), nprocs=2, join=True
+    )
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert math.isfinite(r0["grad_norm"]) and r0["grad_norm"] > 0, r0
+    assert abs(r0["grad_norm"] - r1["grad_norm"]) < 1e-9 and abs(r0["factor"] - r1["factor"]) < 1e-9, (r0, r1)
+    assert r0["factor"] > 0
