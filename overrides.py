@@ -120,7 +120,9 @@ class _ValueParser:
         while self.pos < len(self.text) and self.text[self.pos] != quote:
             # Hydra's escapes: only backslashes before a quote pair up (2n: n of them, then the closing quote;
             # 2n + 1: n and a literal quote); every other backslash is kept, so a regex's `\.` arrives as written.
-            run = len(self.text[self.pos :]) - len(self.text[self.pos :].lstrip("\\"))
+            run = 0  # backslashes from here
+            while self.text.startswith("\\", self.pos + run):
+                run += 1
             if run and self.text.startswith(quote, self.pos + run):
                 out.append("\\" * (run // 2) + quote * (run % 2))
                 self.pos += run + run % 2
