@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch.nn import functional as F
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "bench" / "verl_flash_shim"
 
@@ -59,6 +63,11 @@ try:
     out["window"] = "computed"
 except NotImplementedError as e:
     out["window"] = str(e)
+from flash_attn.ops.triton.cross_entropy import cross_entropy_loss  # verl's import (torch_functional.py)
+logits = torch.randn(5, 64, requires_grad=True)
+labels = torch.tensor([3, 0, 63, 7, 9])
+out["verl_logprobs"] = (-cross_entropy_loss(logits, labels, inplace_backward=True)[0]).tolist()
+out["log_softmax"] = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0].tolist()
 print("RESULT", json.dumps(out))
 """
 
@@ -80,3 +89,52 @@ def test_the_stand_in_is_found_as_flash_attn_and_gives_packed_rows_their_own_att
     assert out["shim_vs_alone"] < 1e-4, out
     assert out["sdpa_packed_vs_alone"] > 1e-2, out  # the control: without the varlen path the sequences mix
     assert "no sliding window" in out["window"]
+    assert max(abs(a - b) for a, b in zip(out["verl_logprobs"], out["log_softmax"], strict=True)) < 1e-5, out
+
+
+def _cross_entropy_module():
+    """The stand-in's cross_entropy.py loaded by path, so that no `flash_attn` package enters this process."""
+    import importlib.util
+
+    path = SHIM / "flash_attn" / "ops" / "triton" / "cross_entropy.py"
+    spec = importlib.util.spec_from_file_location("_shim_cross_entropy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cross_entropy_gives_torchs_losses_and_gradients_in_blocks(monkeypatch, dtype, inplace):
+    """cross_entropy_loss (verl's logprobs_from_logits kernel) against F.cross_entropy on 37 rows of 50 logits,
+    in blocks of 4 rows (the block edge falls inside the rows): the same per-row losses in float32, 0 at
+    ignore_index, and the same gradient for a weighted sum, written over the logits with inplace_backward."""
+    ce = _cross_entropy_module()
+    monkeypatch.setattr(ce, "_BLOCK_ELEMENTS", 200)  # 4 rows a block
+    torch.manual_seed(0)
+    base = (torch.randn(37, 50) * 3).to(dtype)
+    labels = torch.randint(0, 50, (37,))
+    labels[[5, 20]] = -100
+    weights = torch.randn(37)
+    ref_logits = base.clone().float().requires_grad_()
+    ref = F.cross_entropy(ref_logits, labels, reduction="none", ignore_index=-100)
+    (ref * weights).sum().backward()
+    logits = base.clone().requires_grad_()
+    leaf = logits
+    view = logits * 1.0  # a non-leaf, as verl's logits; its storage takes the gradient in place
+    losses, z = ce.cross_entropy_loss(view, labels, inplace_backward=inplace)
+    assert losses.dtype == torch.float32 and torch.equal(z, torch.zeros(37))
+    assert (losses - ref.detach()).abs().max() < 1e-5 and losses[5] == 0 and losses[20] == 0
+    (losses * weights).sum().backward()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert (leaf.grad.float() - ref_logits.grad).abs().max() < tol
+    written = (
+        view.detach().float() - ref_logits.grad
+    ).abs().max() < tol  # the logits' storage holds the gradient
+    assert written == inplace
+
+
+def test_cross_entropy_refuses_what_it_does_not_compute():
+    ce = _cross_entropy_module()
+    with pytest.raises(NotImplementedError, match="no label_smoothing"):
+        ce.cross_entropy_loss(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), label_smoothing=0.1)

@@ -7,7 +7,9 @@ What transformers' `flash_attention_2` and verl call is here, on torch's own ker
     `torch.nn.attention.varlen.varlen_attn`, for bf16/fp16 CUDA tensors; an exact padded sdpa elsewhere), the call
     verl's padding-free ("remove padding") micro-batches make through transformers;
   - `flash_attn_func`: sdpa on [B, L, H, D] batches;
-  - `flash_attn.bert_padding`: unpad_input, pad_input, index_first_axis, rearrange.
+  - `flash_attn.bert_padding`: unpad_input, pad_input, index_first_axis, rearrange;
+  - `flash_attn.ops.triton.cross_entropy.cross_entropy_loss`: verl's logprobs_from_logits kernel, in blocks of rows
+    (without it verl loops in Python over every token of a padding-free micro-batch: ops/triton/cross_entropy.py).
 Anything flash-attn does that these do not (dropout, sliding windows, softcap, ALiBi, non-causal varlen, decoding from
 a KV cache) raises NotImplementedError rather than compute something else. The dist-info beside this folder says
 version 2.8.3+flatrl, so transformers (which wants >= 2.3.3) takes it, and the local label says what it is.

@@ -1,0 +1,1 @@
+"""flash_attn.ops: what verl imports of it (triton.cross_entropy), on torch kernels."""
