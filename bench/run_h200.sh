@@ -21,6 +21,7 @@
 #   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
 #   defaults   (no carry, ~6 min; 7.5 on a slow H100 host, 2026-12-06: give it the full 600 s)  flatrl with its
 #                                      defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
+#   flatrl     (no carry, ~3.5 min)   flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
 #   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
 #                                      own process session, flatrl's figures from the defaults part's JSON on this
 #                                      machine (--flatrl-from), so the ratios come out; follows it for WAIT_S s
@@ -117,12 +118,19 @@ elif [ "$part" = 4 ]; then  # flatrl with the optimizer state on the device in t
     --out "$OUT/e2e_no_offload.json"
 elif [ "$part" = gpu-tests ]; then
   run gpu-tests python3 -m pytest -q -rs -m gpu tests/ -k "not sleep_wake"
+  # CPU tests whose engine and trainer run in bf16 on CUDA: the two-mini-batch toy failed there twice (2026-12-06)
+  run toy-correction python3 -m pytest -q -rA tests/test_rollout_correction.py -k toy
   for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
     run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
   done
 elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every layer, expandable segments, the
   # optimizer state in host memory during the rollout, share 0.3
   run e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
+    --out "$OUT/e2e_defaults_$MODEL.json"
+  keep "e2e_defaults_$MODEL.json"
+elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
+  # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host
+  run e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
     --out "$OUT/e2e_defaults_$MODEL.json"
   keep "e2e_defaults_$MODEL.json"
 elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
@@ -218,6 +226,6 @@ elif [ "$part" = smollm2 ]; then
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|verl|verl-wait|compile|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

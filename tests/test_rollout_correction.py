@@ -377,11 +377,11 @@ def test_bypass_on_the_toy_skips_the_old_logprob_pass(
     cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, ppo_mini_batch_size=mini_batch))
     grpo.main(cfg)
     rows = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
-    assert len(rows) == 2 and seen == [True, True]
-    assert calls == ([] if mini_batch == 4 else [2, 2])
-    for r in rows:
-        assert "timing_s/old_logprob" not in r and ("timing_s/push_check" in r) == (mini_batch == 2)
-        assert r["rollout/logprob_diff_mean"] < 1e-4 and r["actor/entropy"] > 0
+    assert len(rows) == 2 and seen == [True, True], (len(rows), seen)
+    assert calls == ([] if mini_batch == 4 else [2, 2]), calls
+    for r in rows:  # the messages carry the values: a CUDA run (bf16 engine) failed here once, unseen
+        assert "timing_s/old_logprob" not in r and ("timing_s/push_check" in r) == (mini_batch == 2), r
+        assert r["rollout/logprob_diff_mean"] < 1e-4 and r["actor/entropy"] > 0, r
         # one mini-batch: the policy that sampled, which drops nothing; two: the second, after a step at lr 1e-2,
         # has moved from the engine and drops tokens (k3 > 1e-3), the first none (the mean of the two <= 0.5)
         dropped = r["mismatch/rollout_rs_masked_fraction"]
