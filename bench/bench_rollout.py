@@ -92,7 +92,7 @@ def run_flatrl(
 def main(args: argparse.Namespace) -> dict:
     """Builds the model, starts one engine, runs the selected runs; returns the result dict."""
     work = args.workdir or tempfile.mkdtemp(prefix="flatrl-bench-")
-    path = common.build_model(args.model, f"{work}/{args.model}")
+    path = args.model_path or common.build_model(args.model, f"{work}/{args.model}")
     cfg = rollout.RolloutConfig(
         ignore_eos=True, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.toy, cpu_kvcache_space_gb=1,
@@ -154,7 +154,11 @@ def main(args: argparse.Namespace) -> dict:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.5b", choices=["toy", "0.5b", "1.5b"])
+    p.add_argument("--model", default="0.5b", choices=["toy", "0.5b", "1.5b", "smollm2"])
+    p.add_argument(
+        "--model-path", default=None,
+        help="a model folder instead of building --model's (smollm2 needs it: the real SmolLM2-135M-Instruct)",
+    )  # fmt: skip
     p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model, 4 prompts x 16 + 16 tokens")
     p.add_argument(
         "--num-prompts", type=int, default=256, help="256 x n=8: 2048 sequences, four batches of 512"
@@ -174,6 +178,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where the model is built (reused); default a temp dir")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     args = p.parse_args(argv)
+    if args.model == "smollm2" and not args.model_path:
+        p.error("--model smollm2 needs --model-path DIR (the real model's folder: scripts/get_smollm2.py)")
     if args.toy:
         args.model, args.num_prompts, args.prompt_len, args.response_len, args.n = "toy", 4, 16, 16, 2
         args.max_num_seqs, args.logprob_check_prompts = 16, 2  # 2 of the 4 prompts: the subset path runs

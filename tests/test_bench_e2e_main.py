@@ -180,3 +180,63 @@ def test_model_toy_is_the_toy_smoke_run():
     toy, named = bench_e2e.parse(["--toy"]), bench_e2e.parse(["--model", "toy"])
     assert named.toy and (named.num_prompts, named.n, named.prompt_len, named.response_len) == (4, 2, 32, 8)
     assert vars(named) == vars(toy)
+
+
+def test_bare_vllm_runs_after_flatrl_and_gives_the_generation_floor(tmp_path, monkeypatch, offline):
+    """--bare-vllm on: bare vLLM's generation runs after flatrl and before the peers, and its seconds give flatrl's
+    generation against it and its share of each step; auto on CPU skips it with the reason; --flatrl-from takes
+    the earlier file's figure with flatrl's."""
+    order = []
+    monkeypatch.setattr(bench_e2e, "run_flatrl", lambda *a: order.append("flatrl") or dict(FLATRL))
+    monkeypatch.setattr(bench_e2e, "run_bare", lambda *a: order.append("bare") or {"gen_s": 4.0})
+    monkeypatch.setattr(bench_e2e, "run_trl", lambda *a: order.append("trl") or {"step_s": 20.0})
+    out = tmp_path / "e2e.json"
+    base = ["--model", "0.5b", "--workdir", str(tmp_path)]
+    r = bench_e2e.main(bench_e2e.parse([*base, "--bare-vllm", "on", "--out", str(out)]))
+    assert order == ["flatrl", "bare", "trl"]
+    q = r["ratios"]
+    assert q["flatrl_gen_vs_bare_vllm"] == 6.0 / 4.0 and q["bare_vllm_share_of_flatrl_step"] == 4.0 / 10.0
+    assert q["bare_vllm_share_of_trl_step"] == 4.0 / 20.0 and q["bare_vllm_share_of_verl_step"] is None
+    assert r["targets"]["flatrl_gen_vs_bare_vllm"] == 1.1 and r["settings"]["bare_vllm"] == "on"
+    taken = bench_e2e.main(bench_e2e.parse([*base, "--flatrl-from", str(out), "--skip-trl"]))
+    assert taken["bare_vllm"] == {"gen_s": 4.0, "from_file": str(out)}
+    assert taken["ratios"]["bare_vllm_share_of_flatrl_step"] == 0.4 and order.count("bare") == 1
+
+
+def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
+    """run_bare's subprocess: bench_rollout.py's bare_n8 at this run's prompts, n, lengths and vLLM share, the
+    seconds of its JSON returned; a failure is an error with its tail; auto without CUDA does not start it."""
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        out = Path(cmd[cmd.index("--out") + 1])
+        run = {"seconds": 3.5, "tok_per_s": 74898.3, "tokens": 262144}
+        out.write_text(json.dumps({"runs": {"bare_n8": run}, "engine_start_s": 31.0, "engine": {"x": 1}}))
+        return bench_e2e.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_e2e.subprocess, "run", fake_run)
+    args = bench_e2e.parse(["--model", "1.5b", "--num-prompts", "32", "--gpu-memory-utilization", "0.25",
+                            "--bare-vllm", "on"])  # fmt: skip
+    r = bench_e2e.run_bare(args, "/m/1.5b", str(tmp_path))
+    flags = dict(zip(seen["cmd"][2::2], seen["cmd"][3::2], strict=True))
+    assert seen["cmd"][1].endswith("bench/bench_rollout.py") and flags["--runs"] == "bare_n8"
+    assert (flags["--model"], flags["--num-prompts"], flags["--n"]) == ("1.5b", "32", "8")
+    assert (flags["--prompt-len"], flags["--response-len"], flags["--gpu-memory-utilization"]) == (
+        "256",
+        "512",
+        "0.25",
+    )
+    assert "--model-path" not in flags and r["gen_s"] == 3.5 and r["engine_start_s"] == 31.0
+    monkeypatch.setattr(
+        bench_e2e.subprocess,
+        "run",
+        lambda cmd, **kw: bench_e2e.subprocess.CompletedProcess(cmd, 1, "", "boom"),
+    )
+    assert bench_e2e.run_bare(args, "/m/1.5b", str(tmp_path)) == {
+        "error": "bench_rollout.py exited 1",
+        "tail": "boom",
+    }
+    monkeypatch.setattr(bench_e2e.torch.cuda, "is_available", lambda: False)
+    auto = bench_e2e.parse(["--model", "0.5b"])
+    assert bench_e2e.run_bare(auto, "/m", str(tmp_path))["skipped"].startswith("no CUDA (--bare-vllm auto)")
