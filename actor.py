@@ -356,7 +356,9 @@ def mask_of(lengths: list[int], device: torch.device, R: int | None = None) -> t
 @dataclass
 class MicroBatch:
     """One forward/backward's samples, their model inputs and response masks, and the token and sequence counts of
-    the mini-batch they belong to (all micro-batches, all ranks), which losses and metrics normalise by."""
+    the mini-batch they belong to (all micro-batches, all ranks), which losses and metrics normalise by:
+    global_tokens counts the tokens the loss counts (`mask`), global_valid_tokens every response token (`valid`),
+    the same unless rollout rejection sampling dropped some."""
 
     samples: list[Sample]
     inputs: dict  # collate's
@@ -365,15 +367,25 @@ class MicroBatch:
     mask: torch.Tensor  # [S, R] the tokens the loss counts: valid less rejection sampling's drops (loss_mask)
     global_tokens: float = 0.0
     global_seqs: float = 0.0
+    global_valid_tokens: float = 0.0
 
     @classmethod
-    def of(cls, samples: list[Sample], layout: Layout, global_tokens: float = 0.0, global_seqs: float = 0.0):
+    def of(
+        cls,
+        samples: list[Sample],
+        layout: Layout,
+        global_tokens: float = 0.0,
+        global_seqs: float = 0.0,
+        global_valid_tokens: float | None = None,
+    ):
+        """global_valid_tokens: global_tokens when not given (no token dropped)."""
         lengths = [len(s.response_ids) for s in samples]
         valid = mask = mask_of(lengths, layout.device)
         if any(s.loss_mask is not None for s in samples):
             keep = [1.0 if s.loss_mask is None else s.loss_mask for s in samples]
             mask = valid * padded(keep, valid.shape[1], layout.device)
-        return cls(samples, collate(samples, layout), lengths, valid, mask, global_tokens, global_seqs)
+        every = global_tokens if global_valid_tokens is None else global_valid_tokens
+        return cls(samples, collate(samples, layout), lengths, valid, mask, global_tokens, global_seqs, every)
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """The model's per-token [B, T] values at the response positions, as [S, R]."""
@@ -390,6 +402,10 @@ class MicroBatch:
     def token_mean(self, x: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the mini-batch's token mean of x [S, R] (the shares sum to the mean)."""
         return losses.agg_loss(x.detach(), self.mask, "token-mean", global_tokens=self.global_tokens)
+
+    def valid_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """token_mean over every response token (`valid`), those rejection sampling dropped too."""
+        return losses.agg_loss(x.detach(), self.valid, "token-mean", global_tokens=self.global_valid_tokens)
 
 
 # ------------------------------------------------------------------------------------------- passes
@@ -614,12 +630,14 @@ def update(
             # over the data-parallel ranks: the P ranks of an SP group hold the same samples
             # the tokens the loss counts (rollout rejection sampling may drop some; at least 1: no 0 / 0)
             tokens = max(fsdp.all_reduce(sum(samples[i].loss_tokens for i in idx)) / P, 1.0)
+            # every response token, dropped ones too (grpo.py's mismatch/* metrics average over them, as verl's)
+            valid_tokens = max(fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx)) / P, 1.0)
             seqs = fsdp.all_reduce(len(idx)) / P
             groups = micro_batches(samples, idx, cfg, P)
             loss_sum = 0.0
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
-                mb = MicroBatch.of([samples[i] for i in g], layout, tokens, seqs)
+                mb = MicroBatch.of([samples[i] for i in g], layout, tokens, seqs, valid_tokens)
                 if (
                     not g
                 ):  # this rank ran out of samples: an empty pass keeps FSDP's collectives paired; adds 0

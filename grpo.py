@@ -447,7 +447,8 @@ def policy_loss(
     seq-mean-token-mean) and over the tokens that rollout rejection sampling kept (mb.mask). With
     algorithm.rollout_is, the surrogate of each token is multiplied by its truncated weight divided by `is_mean`
     (the batch's mean weight under rollout_is_batch_normalize, `correction.rollout_correction`; else 1); the mismatch/*
-    metrics are over the kept tokens, before that division.
+    metrics are over every response token, the rejected ones too (mb.valid_mean: verl measures before its rejection
+    mask), before that division.
 
     With algorithm.rollout_bypass the old logprobs are the engine's, and `correction.correct` runs here on this micro-batch
     with the current policy's logprobs (detached) against the engine's, as verl's compute_policy_loss_bypass_mode:
@@ -473,10 +474,10 @@ def policy_loss(
             pg_mask = mb.mask * c.keep  # [S, R]
             for k, v in c.dropped.items():  # shares of the mini-batch's fractions
                 metrics[f"mismatch/{k}"] = v / (
-                    mb.global_seqs if k.endswith("seq_masked_fraction") else mb.global_tokens
+                    mb.global_seqs if k.endswith("seq_masked_fraction") else mb.global_valid_tokens
                 )
         if alg.rollout_is_batch_normalize:  # the micro-batches' factors, weighed by their tokens
-            metrics["mismatch/rollout_is_batch_norm_factor"] = mb.token_mean(c.norm * mb.valid)
+            metrics["mismatch/rollout_is_batch_norm_factor"] = mb.valid_mean(c.norm * mb.valid)
         if alg.rollout_is and alg.rollout_loss_type == "reinforce":
             w = c.weights / c.norm
         is_w, is_log_w = c.weights, c.log_weights
@@ -492,12 +493,11 @@ def policy_loss(
                 w = torch.exp((torch.log(w) * mb.valid).sum(-1, keepdim=True) / n)
             w = w / is_mean
     if alg.rollout_is_threshold is not None:
-        metrics["mismatch/mismatch_kl"] = mb.token_mean(
-            -log_ratio
-        )  # KL(engine || trainer), k1 on the samples
-        metrics["mismatch/rollout_is_mean"] = mb.token_mean(is_w)
-        high = is_log_w > math.log(alg.rollout_is_threshold)
-        metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.token_mean(high.float())
+        # over every response token, the rejected ones too, as verl; KL(engine || trainer), k1 on the samples
+        metrics["mismatch/mismatch_kl"] = mb.valid_mean(-log_ratio)
+        metrics["mismatch/rollout_is_mean"] = mb.valid_mean(is_w)
+        high = is_log_w > math.log(alg.rollout_is_threshold)  # [S, R]
+        metrics["mismatch/rollout_is_ratio_fraction_high"] = mb.valid_mean(high.float())
     if alg.rollout_bypass and alg.rollout_loss_type == "reinforce":  # verl's compute_policy_loss_reinforce
         pg = -adv * logprobs  # [S, R]
         clipped = clipped_lower = torch.zeros_like(pg_mask, dtype=torch.bool)

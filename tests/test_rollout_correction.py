@@ -144,6 +144,37 @@ def test_rejection_sets_loss_masks_and_logs_fractions() -> None:
     assert mb.valid.sum() == 8 and mb.per_token("old_logprobs")[1].abs().sum() > 0  # values on every token
 
 
+def test_mismatch_metrics_average_every_response_token_the_rejected_too(monkeypatch) -> None:
+    """verl's rollout_corr metrics are over the response mask before rejection. Log ratios 0, 0.5, 0.1 | -1, 0.2;
+    token_k1 at 0.8_1.25 keeps |r| <= log 1.25 = 0.223: drops 0.5 and -1 (3 of 5 kept). Over all 5 tokens
+        mismatch_kl = -(0 + 0.5 + 0.1 - 1 + 0.2) / 5 = 0.04            (kept only: -0.3 / 3 = -0.1)
+        rollout_is_mean = (1 + 1.5 + e^0.1 + e^-1 + e^0.2) / 5          (weights truncated at 1.5)
+        rollout_is_ratio_fraction_high = 1 / 5                          (e^0.5 > 1.5; kept only: 0)
+    each response its own micro-batch, whose shares sum to the mini-batch's mean."""
+    rows = [[0.0, 0.5, 0.1], [-1.0, 0.2]]
+    samples = _samples(rows)
+    alg = grpo.AlgorithmConfig(
+        rollout_is_threshold=1.5, rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"
+    )
+    correction.rollout_correction(samples, alg)
+    assert [s.loss_mask.tolist() for s in samples] == [[1.0, 0.0, 1.0], [0.0, 1.0]]
+    monkeypatch.setattr(
+        actor, "forward", lambda model, mb, t, entropy, check: (mb.per_token("old_logprobs"), None)
+    )
+    cfg = grpo.GRPOConfig(algorithm=alg)
+    layout = actor.Layout(False, 0, torch.device("cpu"))
+    m = {}
+    for s in samples:
+        mb = actor.MicroBatch.of([s], layout, global_tokens=3.0, global_seqs=2.0, global_valid_tokens=5.0)
+        for k, v in grpo.policy_loss(None, mb, cfg, None)[1].items():
+            m[k] = m.get(k, 0.0) + float(v)
+    assert abs(m["mismatch/mismatch_kl"] - 0.04) < 1e-6
+    want_is = (1.0 + 1.5 + math.exp(0.1) + math.exp(-1.0) + math.exp(0.2)) / 5
+    assert abs(m["mismatch/rollout_is_mean"] - want_is) < 1e-6
+    assert abs(m["mismatch/rollout_is_ratio_fraction_high"] - 1 / 5) < 1e-6
+    assert abs(m["actor/ppo_kl"]) < 1e-6  # on policy; the actor/* metrics stay over the kept tokens
+
+
 # ------------------------------------------------------------------------ 2 ranks (spawns processes)
 
 
