@@ -33,6 +33,10 @@ between optimizer-step ends); the first step is reported apart (first-call costs
   rollout, `rollout.ignore_eos`, verl's defaults elsewhere (gradient checkpointing on); its own `timing_s/*` and
   memory metrics, plus the device's used memory sampled every 0.25 s. `--verl-override KEY=VALUE` adds a Hydra
   override.
+- bare vLLM (`--bare-vllm auto|on|off`, auto where CUDA is; after flatrl, and only where flatrl runs): one step's
+  generation (`--num-prompts` x `--n`, fixed lengths) by a plain `vllm.LLM.generate` on an engine with flatrl's
+  defaults at the same share (bench_rollout.py's bare_n8, its own process): the floor of every generation phase
+  here, and its share of each step, what a step that generates in series cannot go under.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).

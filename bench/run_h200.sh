@@ -19,8 +19,9 @@
 # call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
 #   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
-#   defaults   (no carry, ~6 min; 7.5 on a slow H100 host, 2026-12-06: give it the full 600 s)  flatrl with its
-#                                      defaults against TRL at $MODEL (0.5b; 1.5b is a run of its own)
+#   defaults   (no carry, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM joined:
+#              give it the full 600 s)  flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
+#                                      $MODEL (0.5b; 1.5b is a run of its own)
 #   flatrl     (no carry, ~3.5 min)   flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
 #   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
 #                                      own process session, flatrl's figures from the defaults part's JSON on this
