@@ -8,7 +8,9 @@ A framework that was skipped or failed gets its reason instead of figures; one t
 (--flatrl-from, --peers-from) names that file's commit. Generation is each framework's own phase: flatrl's and
 verl's `gen`, TRL's `vLLM.generate` (TRL times no trainer phase of its own that covers the update, so "rest" is
 the step less generation for all three). With `--async-steps 1` flatrl's generation runs beside the update, and
-the column holds its exposed part: `gen` plus `gen_wait`, the time the step waited for it.
+the column holds its exposed part: `gen` plus `gen_wait`, the time the step waited for it. Where the file has bare
+vLLM's generation of one step (bench_e2e.py --bare-vllm), a last row gives it, flatrl's generation against it and
+its share of each framework's step.
 """
 
 from __future__ import annotations
@@ -68,6 +70,31 @@ def rows(path: str) -> list[list[str]]:
                 fmt(r["step_s"] - gen if gen is not None else None),
                 fmt(r.get("mfu"), 3),
                 ratio,
+            ]
+        )
+    bare = d.get("bare_vllm")
+    if isinstance(bare, dict) and bare.get("gen_s"):  # the floor of every generation phase of this file's run
+        q = d.get("ratios") or {}
+        shares = [
+            f"{q[k]:.3f} of {who}'s step"
+            for k, who in (("bare_vllm_share_of_flatrl_step", "flatrl"), ("bare_vllm_share_of_trl_step", "TRL"),
+                           ("bare_vllm_share_of_verl_step", "verl"))
+            if q.get(k)
+        ]  # fmt: skip
+        if q.get("flatrl_gen_vs_bare_vllm"):
+            shares.insert(0, f"flatrl's generation {q['flatrl_gen_vs_bare_vllm']:.3f}x")
+        src = f" (from {bare['from_file']})" if bare.get("from_file") else ""
+        out.append(
+            [
+                label,
+                "bare vLLM, generation only" + src,
+                "",
+                "",
+                "",
+                fmt(bare["gen_s"]),
+                "",
+                "",
+                "; ".join(shares),
             ]
         )
     return out

@@ -252,3 +252,25 @@ def test_e2e_table_shows_the_exposed_generation_of_an_async_run(monkeypatch):
     assert float(row[5]) == pytest.approx(phases["gen"] + phases["gen_wait"], abs=0.01)
     assert float(row[5]) > 1.9  # 1.97 s of waiting; `gen` alone is 4e-5 s
     assert float(row[6]) == pytest.approx(phases["step"] - phases["gen"] - phases["gen_wait"], abs=0.01)
+
+
+def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_path):
+    """A file with bare vLLM's generation (bench_e2e.py --bare-vllm): a last row with its seconds, flatrl's
+    generation against it and its share of each step, from the file's ratios."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+    import e2e_table
+
+    d = json.loads((ROOT / "bench" / "results" / "e2e_defaults_0.5b_h100_1a4c362.json").read_text())
+    d["bare_vllm"] = {"gen_s": 7.0}
+    d["ratios"] = bench_e2e.ratios(d["flatrl"], d["trl"], d["verl"], d["bare_vllm"])
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(d))
+    row = e2e_table.rows(str(path))[-1]
+    assert row[1] == "bare vLLM, generation only" and row[5] == "7.00"
+    gen, flatrl, trl = row[-1].split("; ")
+    assert gen == f"flatrl's generation {8.1511 / 7.0:.3f}x"
+    assert (
+        flatrl == f"{7.0 / d['flatrl']['step_s']:.3f} of flatrl's step"
+        and trl == f"{7.0 / 34.7017:.3f} of TRL's step"
+    )
