@@ -43,6 +43,8 @@
 #   smollm2    (carry .gpu_smol3 .gpu_smol4 .gpu_trl; a call before it copied .gpu_smol1-2 into /tmp/smol_parts,
 #              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then (unless ASYNC=0) flatrl with async +
 #                                      engine process
+# The lever parts pass --bare-vllm off (two flatrl runs a call leave no minute for it); defaults, flatrl, 2 and smollm2
+# time it after their first flatrl run.
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -177,43 +179,43 @@ elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
   if [ -f "$vdir/rc" ]; then echo "== e2e-verl-$MODEL exited $(cat "$vdir/rc")"; tail -5 "$vdir/bench.log"
   else echo "== e2e-verl-$MODEL still running after this call's ${WAIT_S:-560} s: send the part verl-wait now"; fi
 elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time at 0.5B (f7812f0): two a call
-  run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --checkpoint-layers auto --out "$OUT/e2e_auto.json"
-  run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --async-steps 1 --engine-process --out "$OUT/e2e_async.json"
 elif [ "$part" = compile ]; then  # model.compile_layers: the update alone, eager and compiled, then end to end
   run update-compiled python3 bench/bench_update.py --sizes 0.5b --modes packed,compiled --gradient-checkpointing \
     --workdir "$WORK" --out "$OUT/update_compiled_0.5b.json"
-  run e2e-compiled python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-compiled python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --compile-layers --out "$OUT/e2e_compiled.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
-  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
-  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-no-expandable python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-expandable-segments --out "$OUT/e2e_no_expandable.json"
 elif [ "$part" = fused ]; then  # model.use_fused_kernels: no [B, T, V] logits (8.8 GiB less in the 0.5B update's plan)
-  run e2e-fused python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-fused python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --use-fused-kernels --out "$OUT/e2e_fused.json"
-  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --use-fused-kernels --checkpoint-layers auto --out "$OUT/e2e_fused_auto.json"
 elif [ "$part" = share ]; then  # 512 x 768 tokens need ~4.8 GB of KV cache at 0.5B; 0.3 of the H200 holds 42 GiB
   # async first: it is the lever likeliest to reach 0.4x TRL's step, and a call cut short keeps its JSON
-  run e2e-share012-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-share012-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --out "$OUT/e2e_share012_async.json"
-  run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-share012 python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --out "$OUT/e2e_share012.json"
 elif [ "$part" = levers3 ]; then  # the two levers not yet measured end to end (2026-12-06): the fused LM head with
   # auto checkpointing (no [B, T, V] logits, so fewer layers recompute), and compiled layers with the engine generating
   # ahead in its own process (grpo.py refuses compile + async with an in-process engine)
-  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-fused-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --use-fused-kernels --checkpoint-layers auto --out "$OUT/e2e_fused_auto.json"
-  run e2e-compiled-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-compiled-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --compile-layers --async-steps 1 --engine-process --gpu-memory-utilization 0.12 --steps 6 \
     --out "$OUT/e2e_compiled_async.json"
 elif [ "$part" = async ]; then
-  run e2e-async6-inprocess python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl "${peers_from[@]}" \
+  run e2e-async6-inprocess python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --gpu-memory-utilization 0.12 --async-steps 1 --steps 6 --out "$OUT/e2e_async6_inprocess.json"
-  run e2e-async6-engine-process python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl \
+  run e2e-async6-engine-process python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off \
     "${peers_from[@]}" --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --steps 6 \
     --out "$OUT/e2e_async6_engine_process.json"
 elif [ "$part" = smollm2 ]; then
@@ -225,7 +227,7 @@ elif [ "$part" = smollm2 ]; then
     --peers trl --out "$OUT/e2e_smollm2.json"
   keep e2e_smollm2.json
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
-    --skip-trl --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
+    --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
   echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
 fi
