@@ -271,6 +271,7 @@ class Sample:
     values: torch.Tensor | None = None  # [L], the critic's (ppo.py)
     returns: torch.Tensor | None = None  # [L], the critic's targets (ppo.py)
     loss_mask: torch.Tensor | None = None  # [L] 1: the loss counts it, 0: rejection sampling dropped it
+    sum_pi_squared: torch.Tensor | None = None  # [L] sum_v pi_v^2 of the old policy (grpo.py's OTB weights)
 
     @property
     def loss_tokens(self) -> float:
@@ -484,22 +485,25 @@ def forward(
     temperature: float,
     with_entropy: bool = False,
     check: PushCheck | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The policy's per-token logprobs [S, R] of mb's responses at `temperature` (differentiable, fp32), and their
-    entropies [S, R] when asked for (or None). With `check`, this forward also feeds the push check."""
+    entropies [S, R] when asked for (or None). With `check`, this forward also feeds the push check. With
+    `with_sum_pi_squared`, a third tensor: sum_v pi_v^2 [S, R] at `temperature`, no gradient."""
     raw_needed = check is not None and any(s.checkable for s in mb.samples)
-    lp, ent, raw = sp.forward_logprobs(
+    lp, ent, raw, *sps = sp.forward_logprobs(
         model,
         mb.inputs,
         mb.inputs["labels"],
         temperature,
         with_entropy or check is not None,
         with_raw=raw_needed,
+        with_sum_pi_squared=with_sum_pi_squared,
     )
     lp, ent = mb.rows(lp), None if ent is None else mb.rows(ent)
     if check is not None:
         check.add(mb, mb.rows(raw) if raw_needed else None, ent)
-    return lp, ent
+    return lp, ent, *(mb.rows(t) for t in sps)
 
 
 def micro_batches(samples: list[Sample], idx: list[int], cfg: Any, sp_size: int = 1) -> list[list[int]]:
@@ -524,22 +528,31 @@ def compute_logprobs(
     temperature: float,
     check: PushCheck | None = None,
     ref: bool = False,
+    with_sum_pi_squared: bool = False,
 ) -> None:
-    """Sets sample.old_logprobs (with `check`: also feeds the push check) or, with ref=True, sample.ref_logprobs
-    (with any LoRA adapters of `model` off: the base model is the reference), [L] on the host. Eval mode, no grad."""
+    """Sets sample.old_logprobs (with `check`: also feeds the push check; with `with_sum_pi_squared` also
+    sample.sum_pi_squared, from the same logits) or, with ref=True, sample.ref_logprobs (with any LoRA adapters of
+    `model` off: the base model is the reference), [L] on the host. Eval mode, no grad."""
     model.eval()
+    names = (
+        ["ref_logprobs"] if ref else ["old_logprobs"] + (["sum_pi_squared"] if with_sum_pi_squared else [])
+    )
     # with SP: the group's samples, on each of its ranks
     group, _, mine = sp.share_samples(model, samples, 0)
     for g in micro_batches(group, list(range(len(group))), cfg, sp.size_of(model)):
         mb = MicroBatch.of([group[i] for i in g], layout)
         with lora.disabled(model) if ref else contextlib.nullcontext():
-            lp = forward(model, mb, temperature, check=check)[0].cpu()  # [S, R]
-        for j, s in enumerate(mb.samples):
-            setattr(s, "ref_logprobs" if ref else "old_logprobs", lp[j, : mb.lengths[j]])
+            lp, _, *sps = forward(
+                model, mb, temperature, check=check, with_sum_pi_squared=with_sum_pi_squared
+            )
+        for name, values in zip(names, [lp, *sps], strict=True):
+            values = values.cpu()  # [S, R]
+            for j, s in enumerate(mb.samples):
+                setattr(s, name, values[j, : mb.lengths[j]])
     if group is not samples:  # SP: keep this rank's own results
-        name = "ref_logprobs" if ref else "old_logprobs"
         for s, i in zip(samples, mine, strict=True):
-            setattr(s, name, getattr(group[i], name))
+            for name in names:
+                setattr(s, name, getattr(group[i], name))
 
 
 def mini_batches(

@@ -1,4 +1,4 @@
-"""grpo.py: GRPO (and Dr. GRPO, RLOO, REINFORCE++) with colocated vLLM rollout, sharded with FSDP2.
+"""grpo.py: GRPO (and Dr. GRPO, RLOO, REINFORCE++, OTB) with colocated vLLM rollout, sharded with FSDP2.
 
 Every rank holds a shard of the policy (FSDP2) and a whole vLLM engine on the same device. One step (main's loop,
 in this order):
@@ -9,7 +9,8 @@ in this order):
   3. score: the reward workers (reward.py) score them in the background while the engine sleeps and the
      logprob passes run;
   4. logprob passes: the old logprobs only when the update takes several optimizer steps (else its own forward
-     gives them, detached, as TRL does), the frozen reference's when a KL loss is on; then, with
+     gives them, detached, as TRL does) or optimal_token_baseline needs them (with sum_v pi_v^2) before the
+     advantages, the frozen reference's when a KL loss is on; then, with
      algorithm.rollout_rs or rollout_is_batch_normalize, the batch-wide rollout correction (`correction.rollout_correction`:
      rejection masks, the importance weights' batch mean). With algorithm.rollout_bypass no old-logprob pass: the
      engine's logprobs are the old ones, the correction runs in every micro-batch of the update (`policy_loss`),
@@ -36,6 +37,9 @@ Estimators (`algorithm.adv_estimator`), per prompt group of n scores s_i:
                          baseline, arXiv:2501.03262)
     remax                s_i - the score of the prompt's greedy response     arXiv:2310.10505 (one more,
                          greedy, generation a step; `remax_baselines`)
+    optimal_token_baseline  per token: G_t - B_t, B_t = sum_i G_t,i W_t,i / sum_i W_t,i over the group, W_t the
+                         cumsum to t of 1 - 2 pi_j + sum_v pi_v^2 (old policy; times w_j^2 with rollout_is's
+                         weights), G_t the return; a group of one gets B = 0   (verl's OTB; `otb_advantages`)
 With algorithm.use_kl_in_reward, s_i is the score less the response's summed KL penalty (REINFORCE++ and ReMax
 give each token its own return, the score less the penalty still to come).
 
@@ -105,7 +109,13 @@ class AlgorithmConfig:
     """Advantage estimation."""
 
     adv_estimator: Literal[
-        "grpo", "rloo", "reinforce_plus_plus", "gpg", "reinforce_plus_plus_baseline", "remax"
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "gpg",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "optimal_token_baseline",
     ] = "grpo"
     """Estimator; see the module docstring."""
     norm_adv_by_std_in_grpo: bool = True
@@ -264,17 +274,53 @@ def whiten_by_tokens(
     return ((scores.double() - mean) / (var + 1e-8) ** 0.5).float()
 
 
+def otb_advantages(
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    group_ids: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Optimal token baseline (verl's compute_optimal_token_baseline_advantage, handle_zero_tail=False): one
+    baseline per prompt group and response position, weighing each trajectory by its path variance so far,
+        w_t = (1 - 2 pi_t + sum_v pi_v^2) [* rho_t^2],  W_t = sum_{j <= t} w_j mask_j,
+        B_t = sum_i G_t,i W_t,i mask_t,i / (sum_i W_t,i mask_t,i + eps),   A_t = (G_t - B_t) mask_t
+    pi_t = exp(old_logprobs_t); 1 - 2 pi_t + sum_v pi_v^2 = ||e_t - pi||^2 is the squared norm of the logit
+    gradient of log pi_t, a proxy for the variance that token adds. rho: rollout_is's truncated weights (the
+    baseline minimising the MSE under truncated IS). A group of one keeps B = 0 (its advantage is its return).
+
+    Args: returns G, mask, old_logprobs, sum_pi_squared, is_weights all [B, R]; group_ids [B].
+    Returns: advantages [B, R]."""
+    w = 1.0 - 2.0 * old_logprobs.exp() + sum_pi_squared  # [B, R]
+    if is_weights is not None:
+        w = w * is_weights**2
+    W = (w * mask).cumsum(-1)  # [B, R], the path variance up to and including t
+    baselines = torch.zeros_like(returns)  # [B, R]
+    for g in group_ids.unique():
+        idx = (group_ids == g).nonzero(as_tuple=True)[0]
+        if len(idx) > 1:
+            Wm = W[idx] * mask[idx]  # [n, R]
+            baselines[idx] = ((returns[idx] * Wm).sum(0) / (Wm.sum(0) + eps))[None]  # [1, R] onto [n, R]
+    return (returns - baselines) * mask
+
+
 def compute_advantages(
     samples: list[actor.Sample],
     cfg: AlgorithmConfig,
     kl_ctrl: rl.KLController | None = None,
     baselines: list[actor.Sample] | None = None,
+    is_mean: float = 1.0,
 ) -> dict[str, float]:
-    """Sets sample.advantages (one number per response, or [L] for REINFORCE++ and ReMax with use_kl_in_reward)
-    from the scores, per prompt group (whitened over all ranks for REINFORCE++); returns the KL-in-reward metrics.
+    """Sets sample.advantages (one number per response, or [L] for REINFORCE++ and ReMax with use_kl_in_reward,
+    and for optimal_token_baseline) from the scores, per prompt group (whitened over all ranks for REINFORCE++);
+    returns the KL-in-reward metrics.
 
     baselines: ReMax's scored greedy responses, one a prompt (`remax_baselines`); remax subtracts the score of
-    the one whose `group` is the sample's, as verl's compute_remax_outcome_advantage (no whitening)."""
+    the one whose `group` is the sample's, as verl's compute_remax_outcome_advantage (no whitening).
+    is_mean: optimal_token_baseline with rollout_is: the truncated weights' batch mean they are divided by
+    (`correction.rollout_correction`; 1 unless rollout_is_batch_normalize), as the loss divides them."""
     scores = torch.tensor([s.score for s in samples])  # [B]
     groups = torch.tensor([s.group for s in samples])  # [B]
     if cfg.adv_estimator == "remax":
@@ -284,6 +330,8 @@ def compute_advantages(
             )
         greedy = {b.group: b.score for b in baselines}
         scores = scores - torch.tensor([greedy[s.group] for s in samples])  # [B]
+    if cfg.adv_estimator == "optimal_token_baseline":
+        return otb_from_samples(samples, cfg, kl_ctrl, is_mean)
     if cfg.use_kl_in_reward:
         lens = [len(s.response_ids) for s in samples]
         penalty, metrics = rl.kl_in_reward(samples, cfg.kl_penalty, kl_ctrl, max(lens, default=1))  # [B, R]
@@ -317,6 +365,43 @@ def compute_advantages(
         adv = whiten_by_tokens(scores, lengths, tuple(fsdp.all_reduce(x.item()) for x in sums))
     for s, a in zip(samples, adv.tolist(), strict=True):
         s.advantages = a
+    return metrics
+
+
+def otb_from_samples(
+    samples: list[actor.Sample], cfg: AlgorithmConfig, kl_ctrl: rl.KLController | None, is_mean: float
+) -> dict[str, float]:
+    """compute_advantages for optimal_token_baseline: verl's token rewards (the score on the last response token,
+    less the KL penalty per token with use_kl_in_reward), their returns over the tokens the loss counts (rollout
+    rejection sampling's drops left out, as verl's modified response_mask), then `otb_advantages`."""
+    if any(s.old_logprobs is None or s.sum_pi_squared is None for s in samples):
+        raise ValueError(
+            "algorithm.adv_estimator=optimal_token_baseline needs each sample's old_logprobs and sum_pi_squared "
+            "(actor.compute_logprobs with with_sum_pi_squared=True) before the advantages"
+        )
+    cpu = torch.device("cpu")
+    lens = [len(s.response_ids) for s in samples]
+    R = max(lens, default=1)
+    valid = actor.mask_of(lens, cpu, R)  # [B, R]
+    mask = valid * actor.padded([1.0 if s.loss_mask is None else s.loss_mask for s in samples], R, cpu)
+    rewards = torch.zeros(len(samples), R)  # [B, R], verl's token_level_rewards
+    for i, s in enumerate(samples):
+        rewards[i, lens[i] - 1] = s.score
+    metrics = {}
+    if cfg.use_kl_in_reward:
+        penalty, metrics = rl.kl_in_reward(samples, cfg.kl_penalty, kl_ctrl, R)  # [B, R]
+        rewards = rewards - penalty
+    returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, R], reward to go
+    old = actor.padded([s.old_logprobs for s in samples], R, cpu)  # [B, R]
+    sum_pi_squared = actor.padded([s.sum_pi_squared for s in samples], R, cpu)
+    weights = None
+    if cfg.rollout_is and cfg.rollout_is_threshold is not None:  # as policy_loss weighs the tokens
+        log_ratio = (old - actor.padded([s.rollout_logprobs for s in samples], R, cpu)) * valid  # [B, R]
+        weights = correction.is_weights(log_ratio, valid, cfg)[0] / is_mean
+    groups = torch.tensor([s.group for s in samples])  # [B]
+    adv = otb_advantages(returns, mask, old, sum_pi_squared, groups, weights)  # [B, R]
+    for i, s in enumerate(samples):
+        s.advantages = adv[i, : lens[i]].clone()
     return metrics
 
 
@@ -632,6 +717,14 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             "layer traces modules process-wide, and vLLM's sampler, decoding in this process's other thread, then "
             "fails ('FX to symbolically trace a dynamo-optimized function'; H100, 2026-12-05)"
         )
+    otb = alg.adv_estimator == "optimal_token_baseline"
+    if otb and (cfg.model.use_fused_kernels or alg.rollout_bypass):
+        which = "model.use_fused_kernels" if cfg.model.use_fused_kernels else "algorithm.rollout_bypass"
+        raise SystemExit(
+            f"error: algorithm.adv_estimator=optimal_token_baseline does not go with {which}=true: it needs "
+            "sum_v pi_v^2 from the trainer's old-logprob pass over the full logits (verl refuses "
+            "calculate_sum_pi_squared with fused kernels too)"
+        )
     fg = cfg.algorithm.filter_groups
     remax = cfg.algorithm.adv_estimator == "remax"
     if remax and (fg.enable or cfg.rollout.async_steps):
@@ -665,8 +758,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
     one_step = actor.one_optimizer_step(cfg.actor, cfg.data.train_batch_size)
     # the old-logprob pass: not with rollout_bypass (the engine's are the old ones), nor when the update takes one
     # optimizer step (its own forward gives them), unless the KL in the reward (as ppo.py) or the batch-wide
-    # correction needs them before the update
-    old_pass = not alg.rollout_bypass and not (one_step and not (alg.use_kl_in_reward or batch_correction))
+    # correction or optimal_token_baseline (with sum_v pi_v^2) needs them before the update
+    needed_early = alg.use_kl_in_reward or batch_correction or otb
+    old_pass = not alg.rollout_bypass and not (one_step and not needed_early)
     # the push check reads the first forward that sees the sampling weights: the old-logprob pass, else the
     # update's when it is one optimizer step, else (rollout_bypass) a pass of its own over one prompt's samples
     check_in_update = one_step and not old_pass
@@ -712,7 +806,15 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
                 if old_pass:
                     with timer("old_logprob"):
-                        actor.compute_logprobs(policy, samples, cfg.actor, run.layout, temperature, check)
+                        actor.compute_logprobs(
+                            policy,
+                            samples,
+                            cfg.actor,
+                            run.layout,
+                            temperature,
+                            check,
+                            with_sum_pi_squared=otb,
+                        )
                 elif alg.rollout_bypass:  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
                     for s in samples:
                         s.old_logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -736,7 +838,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     is_mean, corrected = correction.rollout_correction(samples, alg)
                     metrics |= corrected
                 # 5. advantages
-                metrics |= compute_advantages(samples, cfg.algorithm, kl_ctrl, baselines if remax else None)
+                metrics |= compute_advantages(
+                    samples, cfg.algorithm, kl_ctrl, baselines if remax else None, is_mean
+                )
                 # 6. the update, and the proof that the engine ran the trainer's weights
                 with timer("update"):
                     loss_fn = functools.partial(

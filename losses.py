@@ -12,7 +12,8 @@ verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py on the same in
   logprobs [P], one function per paper, TRL's formulas (trl/trainer/dpo_trainer.py, kto_trainer.py, cpo_trainer.py).
 - token_logprobs_and_entropy[_from_hidden]: label logprob and entropy per row, in row chunks through one
   autograd Function, so fp32 [N, V] (from hidden states: any [N, V] logits) is never held whole; the
-  backward recomputes each chunk.
+  backward recomputes each chunk. On request also sum_v pi_v^2 per row (no gradient), which grpo.py's
+  optimal_token_baseline weighs tokens by.
 
 Deviations from verl:
 1. Counts in denominators are clamped to >= 1e-8: an all-masked micro-batch gives 0, not NaN.
@@ -148,15 +149,24 @@ direction instead of ~10 fp32 [chunk, V] passes (H200, 0.5B GRPO update: 6.1 -> 
 everywhere when False."""
 
 
-def _chunk_stats(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
-    """(lse, logprob of labels, entropy or None) of one chunk of logits z [n, V] (any float dtype), fp32 math."""
+def _chunk_stats(
+    z: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    with_sum_pi_squared: bool = False,
+):
+    """(lse, logprob of labels, entropy or None, sum_j p_j^2 or None) of one chunk of logits z [n, V] (any float
+    dtype), fp32 math, p = softmax(z / temperature)."""
     z = z.float()
     if temperature != 1.0:
         z = z / temperature
-    lse = torch.logsumexp(z, -1)
+    lse = torch.logsumexp(z, -1)  # [n]
     logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(z, -1) * z).sum(-1) if with_entropy else None  # H = lse - sum_j p_j z_j
-    return lse, logprobs, entropy
+    # p_j^2 = exp(2 (z_j - lse)): one chunk-sized temporary, never a whole [N, V]
+    sum_pi_squared = torch.exp(2.0 * (z - lse.unsqueeze(-1))).sum(-1) if with_sum_pi_squared else None  # [n]
+    return lse, logprobs, entropy, sum_pi_squared
 
 
 def _chunk_grad(z, labels, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
@@ -223,31 +233,38 @@ def _slice(x: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
 
 
 class _ChunkedTokenStats(torch.autograd.Function):
-    """logits = x (weight None) or x @ weight.T, processed `chunk_size` rows at a time both ways."""
+    """logits = x (weight None) or x @ weight.T, processed `chunk_size` rows at a time both ways. Outputs
+    (logprobs [N], entropy [N] or [0], sum_pi_squared [N] or [0]); the last has no gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels, chunk_size, with_entropy, temperature):
+    def forward(ctx, x, weight, labels, chunk_size, with_entropy, temperature, with_sum_pi_squared=False):
         ctx.set_materialize_grads(False)  # an unused output (entropy for metrics only) costs no backward
         stats = _kernels(x.device)[0]
         n_rows = x.shape[0]
         lse, logprobs = (x.new_empty(n_rows, dtype=torch.float32) for _ in range(2))
         entropy = x.new_empty(n_rows if with_entropy else 0, dtype=torch.float32)
+        sum_pi_squared = x.new_empty(n_rows if with_sum_pi_squared else 0, dtype=torch.float32)
         for s in range(0, n_rows, chunk_size):
             sl = slice(s, s + chunk_size)
             z = x[sl] if weight is None else x[sl] @ weight.T  # [n, V]
-            lse[sl], logprobs[sl], ent = stats(z, labels[sl], temperature, with_entropy)
+            lse[sl], logprobs[sl], ent, sps = stats(
+                z, labels[sl], temperature, with_entropy, with_sum_pi_squared
+            )
             if with_entropy:
                 entropy[sl] = ent
+            if with_sum_pi_squared:
+                sum_pi_squared[sl] = sps
         ctx.save_for_backward(x, weight, labels, lse, entropy)
         ctx.chunk_size, ctx.with_entropy, ctx.temperature = chunk_size, with_entropy, temperature
-        return logprobs, entropy
+        ctx.mark_non_differentiable(sum_pi_squared)  # a statistic for the advantages, not a loss term
+        return logprobs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, _g_sum_pi_squared):
         x, weight, labels, lse, entropy = ctx.saved_tensors
         g_ent = g_ent if ctx.with_entropy else None
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         chunk_grad = _kernels(x.device)[1]
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         need_w = weight is not None and ctx.needs_input_grad[1]
@@ -264,7 +281,7 @@ class _ChunkedTokenStats(torch.autograd.Function):
                 grad_x[sl] = g @ weight
             if need_w:
                 grad_w.add_(g.T @ x[sl])  # fp32 accumulation over chunks, no fp32 [V, H] temporary
-        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def token_logprobs_and_entropy(
@@ -280,9 +297,27 @@ def token_logprobs_and_entropy(
     Each chunk of `chunk_size` rows is upcast to fp32 alone, forward and backward, so peak extra memory is
     a few fp32 [chunk_size, V] buffers. Differentiable w.r.t. logits; the gradient has the logits' dtype.
     Returns (logprobs, entropy or None), fp32, shaped like labels."""
+    return token_stats(logits, labels, chunk_size, with_entropy, temperature)[:2]
+
+
+def token_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """token_logprobs_and_entropy, and with `with_sum_pi_squared` also sum_v p_v^2 per token, p = softmax(logits /
+    temperature), from the same chunks (verl's calculate_sum_pi_squared_from_logits; grpo.py's
+    optimal_token_baseline weighs tokens by it). That third output has no gradient. Returns (logprobs, entropy or
+    None, sum_pi_squared or None), fp32, shaped like labels."""
     rows, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    lp, ent = _ChunkedTokenStats.apply(rows, None, flat_labels, chunk_size, with_entropy, temperature)
-    return lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None
+    lp, ent, sps = _ChunkedTokenStats.apply(
+        rows, None, flat_labels, chunk_size, with_entropy, temperature, with_sum_pi_squared
+    )
+    shaped = lambda t, on: t.view(labels.shape) if on else None  # noqa: E731
+    return lp.view(labels.shape), shaped(ent, with_entropy), shaped(sps, with_sum_pi_squared)
 
 
 def token_logprobs_and_entropy_from_hidden(
@@ -300,7 +335,7 @@ def token_logprobs_and_entropy_from_hidden(
     and accumulates the weight gradient in fp32 (one [V, H] fp32 buffer). Differentiable w.r.t. hidden and
     weight. Returns (logprobs, entropy or None), fp32, shaped like labels."""
     rows, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    lp, ent = _ChunkedTokenStats.apply(rows, weight, flat_labels, chunk_size, with_entropy, temperature)
+    lp, ent, _ = _ChunkedTokenStats.apply(rows, weight, flat_labels, chunk_size, with_entropy, temperature)
     return lp.view(labels.shape), ent.view(labels.shape) if with_entropy else None
 
 
@@ -312,7 +347,8 @@ def forward_logprobs(
     with_entropy: bool = False,
     chunk_size: int = 1024,
     with_raw: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The model's per-token logprob of `labels` (and entropy) on a collated batch, padded or packed.
 
     Args:
@@ -323,19 +359,30 @@ def forward_logprobs(
         (logprobs [B, T] of softmax(logits / temperature), entropy [B, T] or None, raw_logprobs [B, T] at
         temperature 1 — what vLLM reports, for the weight-push check; the first tensor, detached, when
         temperature is 1; None without `with_raw` at another temperature, which spares a pass over the logits).
-        All fp32; callers mask them with their label mask.
+        All fp32; callers mask them with their label mask. With `with_sum_pi_squared` a fourth tensor follows:
+        sum_v p_v^2 [B, T] at `temperature`, no gradient (token_stats; not with the fused head).
     """
     if getattr(model, FUSED_HEAD, False):
+        if with_sum_pi_squared:
+            raise ValueError(
+                "sum_pi_squared is not computed with model.use_fused_kernels (the fused head; verl refuses "
+                "calculate_sum_pi_squared with fused kernels too): set model.use_fused_kernels=false"
+            )
         return _fused_forward_logprobs(model, batch, labels, temperature, with_entropy, chunk_size, with_raw)
     logits = model(**data.model_inputs(batch)).logits  # [B, T, V]
-    lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
+    extra = ()
+    if with_sum_pi_squared:  # from the same chunks as the logprobs
+        lp, ent, sps = token_stats(logits, labels, chunk_size, with_entropy, temperature, True)
+        extra = (sps,)
+    else:
+        lp, ent = token_logprobs_and_entropy(logits, labels, chunk_size, with_entropy, temperature)
     if temperature == 1.0:
-        return lp, ent, lp.detach()
+        return lp, ent, lp.detach(), *extra
     if not with_raw:
-        return lp, ent, None
+        return lp, ent, None, *extra
     with torch.no_grad():
         raw = token_logprobs_and_entropy(logits, labels, chunk_size, False, 1.0)[0]
-    return lp, ent, raw
+    return lp, ent, raw, *extra
 
 
 FUSED_HEAD = "flatrl_fused_lm_head"

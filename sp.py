@@ -261,21 +261,25 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_raw: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """losses.forward_logprobs under the model's SP (the same call without it): the logits of this rank's
-    tokens only ([1, n, V]: the vocabulary-sized tensor is split too), the per-token results gathered to [1, N]."""
+    tokens only ([1, n, V]: the vocabulary-sized tensor is split too), the per-token results gathered to [1, N]
+    (with `with_sum_pi_squared`, a fourth: sum_v p_v^2, as losses.forward_logprobs)."""
     group = group_of(model)
+    kw = dict(with_raw=with_raw, with_sum_pi_squared=with_sum_pi_squared)
     if group is None:
-        return losses.forward_logprobs(model, batch, labels, temperature, with_entropy, with_raw=with_raw)
+        return losses.forward_logprobs(model, batch, labels, temperature, with_entropy, **kw)
     local, mine, N = shard_batch(batch, group)
-    lp, ent, raw = losses.forward_logprobs(
-        model, local, _slice(labels, mine, N), temperature, with_entropy, with_raw=with_raw
+    lp, ent, raw, *sps = losses.forward_logprobs(
+        model, local, _slice(labels, mine, N), temperature, with_entropy, **kw
     )
     lp = gather(lp, group, N)  # [1, N]
     ent = None if ent is None else gather(ent, group, N)
+    extra = tuple(gather(t, group, N) for t in sps)  # [1, N] or nothing
     if temperature == 1.0:  # raw is lp, detached (losses.forward_logprobs): no second gather
-        return lp, ent, lp.detach()
-    return lp, ent, None if raw is None else gather(raw, group, N)
+        return lp, ent, lp.detach(), *extra
+    return lp, ent, None if raw is None else gather(raw, group, N), *extra
 
 
 def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

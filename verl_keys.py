@@ -295,8 +295,12 @@ RL_ACTOR: dict[str, Rule] = {
     "entropy_from_logits_with_chunking": Ignore("flatrl's logprob kernel is always chunked"),
     "entropy_checkpointing": Ignore(MEMORY),
     "use_remove_padding": Map("model.use_remove_padding"),
-    "calculate_sum_pi_squared": Ignore("a diagnostic flatrl does not log"),
-    "sum_pi_squared_checkpointing": Ignore("a diagnostic flatrl does not log"),
+    "calculate_sum_pi_squared": Ignore(
+        "grpo.py computes sum_v pi_v^2 in the old-logprob pass exactly when algorithm.adv_estimator="
+        "optimal_token_baseline, which needs it; without that estimator nothing reads it (verl's W-score metric "
+        "is not logged)"
+    ),
+    "sum_pi_squared_checkpointing": Ignore(MEMORY),
     "tis_imp_ratio_cap": Only((-1, None), "no truncated importance sampling of rollout logprobs"),
     "rollout_n": Ignore("verl's copy of rollout.n"),
     "megatron.*": Only((None, {}), MEGATRON),
@@ -759,7 +763,11 @@ HYDRA_TARGET = Ignore(
 """The rule for every key named `_target_`, at any depth (a full verl config has dozens)."""
 
 HINTS = {
-    "algorithm.adv_estimator": "grpo.py runs grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg and remax; ppo.py runs gae (with a critic)",
+    "algorithm.adv_estimator": (
+        "grpo.py runs grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg, remax and "
+        "optimal_token_baseline (not tir_optimal_token_baseline: multi-turn rollouts are not built); ppo.py runs "
+        "gae (with a critic)"
+    ),
     "rollout.name": "flatrl's engines: vllm, or hf (transformers' generate, for tests)",
 }
 

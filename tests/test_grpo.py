@@ -700,8 +700,8 @@ def test_remax_on_the_toy_scores_one_greedy_response_a_prompt(one_rank, toy_dir,
         seen.append(out)
         return out
 
-    def advantages(samples, cfg, kl_ctrl=None, baselines=None):
-        metrics = real_advantages(samples, cfg, kl_ctrl, baselines)
+    def advantages(samples, cfg, kl_ctrl=None, baselines=None, is_mean=1.0):
+        metrics = real_advantages(samples, cfg, kl_ctrl, baselines, is_mean)
         greedy = {b.group: b.score for b in baselines}
         assert sorted(greedy) == sorted({s.group for s in samples}) and len(baselines) == len(greedy)
         assert all(s.advantages == s.score - greedy[s.group] for s in samples)

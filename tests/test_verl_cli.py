@@ -538,7 +538,7 @@ def test_overrides_and_precedence(tmp_path, capsys):
         ("actor_rollout_ref.actor.ppo_epochs=two", "key 'actor.ppo_epochs' expects int, got str 'two'"),
         (
             "algorithm.adv_estimator=gae",
-            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus', 'gpg', 'reinforce_plus_plus_baseline', 'remax'], got 'gae'",
+            "must be one of ['grpo', 'rloo', 'reinforce_plus_plus', 'gpg', 'reinforce_plus_plus_baseline', 'remax', 'optimal_token_baseline'], got 'gae'",
         ),
         ("trainer.logger=a,b", "comma outside brackets"),
     ],
