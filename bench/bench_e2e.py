@@ -739,9 +739,8 @@ def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dic
     out |= {
         "flatrl_gen_vs_bare_vllm": ratio(gen, floor),  # the target: at most 1.1
         "bare_vllm_share_of_flatrl_step": ratio(floor, flatrl.get("step_s")),
-        "bare_vllm_share_of_trl_step": ratio(
-            floor, trl.get("step_s")
-        ),  # flatrl/TRL's floor, generation in series
+        # flatrl / TRL's floor while generation runs in series with the rest of the step
+        "bare_vllm_share_of_trl_step": ratio(floor, trl.get("step_s")),
         "bare_vllm_share_of_verl_step": ratio(floor, verl.get("step_s")),
     }
     return out
@@ -763,6 +762,7 @@ FLATRL_ONLY = {
     "--compile-layers": lambda a: a.compile_layers,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
+    "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
 }
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")

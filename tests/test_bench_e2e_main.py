@@ -182,7 +182,7 @@ def test_model_toy_is_the_toy_smoke_run():
     assert vars(named) == vars(toy)
 
 
-def test_bare_vllm_runs_after_flatrl_and_gives_the_generation_floor(tmp_path, monkeypatch, offline):
+def test_bare_vllm_runs_after_flatrl_and_gives_the_generation_floor(tmp_path, monkeypatch, offline, capsys):
     """--bare-vllm on: bare vLLM's generation runs after flatrl and before the peers, and its seconds give flatrl's
     generation against it and its share of each step; auto on CPU skips it with the reason; --flatrl-from takes
     the earlier file's figure with flatrl's."""
@@ -201,6 +201,9 @@ def test_bare_vllm_runs_after_flatrl_and_gives_the_generation_floor(tmp_path, mo
     taken = bench_e2e.main(bench_e2e.parse([*base, "--flatrl-from", str(out), "--skip-trl"]))
     assert taken["bare_vllm"] == {"gen_s": 4.0, "from_file": str(out)}
     assert taken["ratios"]["bare_vllm_share_of_flatrl_step"] == 0.4 and order.count("bare") == 1
+    with pytest.raises(SystemExit):  # asked for where flatrl does not run: refused, not skipped
+        bench_e2e.parse([*base, "--skip-flatrl", "--bare-vllm", "on"])
+    assert "--bare-vllm on: flatrl's settings, and flatrl does not run" in capsys.readouterr().err
 
 
 def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
