@@ -858,8 +858,11 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 if ahead is not None:
                     with timer("gen_wait"):
                         metrics |= ahead.wait()
+                with timer("offload"):  # the AdamW state to host memory, so the waking engine finds its room
+                    for o in offload:
+                        o.offload()
                 with timer("sync"):
-                    rl.push(run, engine, policy, offload)
+                    rl.push(run, engine, policy)
             # 8. validate, log, save when due
             own = {"kl_coef": kl_ctrl.value}
             save = functools.partial(

@@ -429,8 +429,11 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                     scheduler.step()
                 metrics |= check.result(cfg.rollout.logprob_diff_tol, step)  # the engine ran our weights
                 step += 1
+                with timer("offload"):  # the AdamW state to host memory, so the waking engine finds its room
+                    for o in offload:
+                        o.offload()
                 with timer("sync"):
-                    rl.push(run, engine, policy, offload)
+                    rl.push(run, engine, policy)
             own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
             save = functools.partial(
                 rl.save, run, step, components, scheduler, guard, results, own, offload=offload

@@ -571,8 +571,10 @@ def offloads(fsdp_cfg: fsdp.FSDPConfig, optimizer: torch.optim.Optimizer) -> lis
 def push(
     run: Run, engine: rollout.Engine, policy: torch.nn.Module, offload: list[fsdp.OptimizerOffload] = ()
 ) -> None:
-    """The policy's weights into the engine (waking it). Offloaded optimizer states leave the device first (they
-    come back at the next optimizer step), so the engine's KV cache finds the room."""
+    """The policy's weights into the engine (waking it). Offloaded optimizer states in `offload` leave the device
+    first (they come back at the next optimizer step), so the engine's KV cache finds the room; the training loops
+    move them in a phase of their own before this (timing_s/offload), so that the sync phase's memory peak is the
+    awake engine's, not the instant before the state left (torch counts the sleeping engine's pool as allocated)."""
     for o in offload:
         o.offload()
     actor.push_weights(engine, policy, run.push_dtype)

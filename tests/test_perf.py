@@ -588,3 +588,40 @@ def test_auto_checkpointing_reads_nothing_when_no_model_asks_for_it():
     )
     off = dataclasses.replace(cfg, model=unused)
     assert perf.resolve_auto_checkpointing(off, world_size=1)[1] == []
+
+
+def test_the_loop_offloads_in_a_phase_of_its_own_before_the_push(one_rank, toy_dir, tmp_path, monkeypatch):
+    """grpo.py moves the AdamW state to host memory in its own phase (timing_s/offload) before the push, so
+    the sync phase's peak is the awake engine's. On the GPU the sync peak was the instant before the state left:
+    torch counts the sleeping engine's pool as allocated, so params + AdamW + that pool (1.5B at dd661b4:
+    39.8 GiB measured against the plan's 30.1 for the awake engine)."""
+    from conftest import read_metrics, toy_grpo_config
+
+    import grpo
+
+    events = []
+    real_offload, real_push = fsdp.OptimizerOffload.offload, rl.actor.push_weights
+
+    def offload(self):
+        events.append("offload")
+        return real_offload(self)
+
+    def push_weights(*a, **k):
+        events.append("push")
+        return real_push(*a, **k)
+
+    monkeypatch.setattr(fsdp.OptimizerOffload, "offload", offload)
+    monkeypatch.setattr(rl.actor, "push_weights", push_weights)
+    fn = tmp_path / "reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    cfg = toy_grpo_config(toy_dir, tmp_path / "run", fn, steps=2, lr=1e-3)
+    assert cfg.model.fsdp_config.offload_optimizer_in_rollout  # the default
+    grpo.main(cfg)
+    # at build, at the first push, before each step's push, after the last step's checkpoint (rl.save)
+    assert events == ["offload", "offload", "push"] + ["offload", "push"] * 2 + ["offload"], events
+    rows = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
+    assert len(rows) == 2 and all(r["timing_s/offload"] >= 0.0 and r["timing_s/sync"] > 0.0 for r in rows), (
+        rows
+    )
