@@ -36,7 +36,10 @@ between optimizer-step ends); the first step is reported apart (first-call costs
 - bare vLLM (`--bare-vllm auto|on|off`, auto where CUDA is; after flatrl, and only where flatrl runs): one step's
   generation (`--num-prompts` x `--n`, fixed lengths) by a plain `vllm.LLM.generate` on an engine with flatrl's
   defaults at the same share (bench_rollout.py's bare_n8, its own process): the floor of every generation phase
-  here, and its share of each step, what a step that generates in series cannot go under.
+  here, and its share of each step, what a step that generates in series cannot go under. The same engine then
+  runs flatrl's `engine.generate` alone (flatrl_n8_call: the push check's logprobs for
+  `rollout.logprob_check_prompts` prompts, the Completions), which splits flatrl's distance from the floor into
+  what it asks of vLLM and what the training process around the engine adds.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
@@ -526,7 +529,9 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     tokens each): bench_rollout.py's bare_n8 in its own process, on an engine started with flatrl's defaults at this
     run's vLLM share and lengths, so its seconds are the floor of any framework's generation phase here. Its
     ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
-    generation in series cannot go under)."""
+    generation in series cannot go under). Then, on that engine, flatrl's engine.generate with its defaults
+    (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
+    flatrl's generation outside the trainer's process."""
     if args.bare_vllm == "off":
         return {"skipped": "--bare-vllm off"}
     if args.bare_vllm == "auto" and not torch.cuda.is_available():
@@ -538,7 +543,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     flags = {
         "--model": "toy" if args.toy else args.model, "--workdir": work, "--num-prompts": args.num_prompts,
         "--n": args.n, "--prompt-len": args.prompt_len, "--response-len": args.response_len,
-        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "bare_n8", "--out": out,
+        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "bare_n8,flatrl_n8_call", "--out": out,
     }  # fmt: skip
     if args.model == "smollm2" or args.toy:
         flags["--model-path"] = model
@@ -550,9 +555,10 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     if p.returncode != 0 or not out.is_file():
         return {"error": f"bench_rollout.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
     r = json.loads(out.read_text())
-    run = r["runs"]["bare_n8"]
+    run, alone = r["runs"]["bare_n8"], r["runs"].get("flatrl_n8_call", {})
     return {
         "gen_s": run["seconds"],
+        "flatrl_generate_s": alone.get("seconds"),
         "tok_per_s": run["tok_per_s"],
         "tokens": run["tokens"],
         "engine_start_s": r["engine_start_s"],
@@ -738,6 +744,9 @@ def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dic
     floor = (bare or {}).get("gen_s")
     out |= {
         "flatrl_gen_vs_bare_vllm": ratio(gen, floor),  # the target: at most 1.1
+        # the split of that: what flatrl asks of vLLM (the check's logprobs), then what the training process adds
+        "flatrl_generate_alone_vs_bare_vllm": ratio((bare or {}).get("flatrl_generate_s"), floor),
+        "flatrl_gen_vs_flatrl_generate_alone": ratio(gen, (bare or {}).get("flatrl_generate_s")),
         "bare_vllm_share_of_flatrl_step": ratio(floor, flatrl.get("step_s")),
         # flatrl / TRL's floor while generation runs in series with the rest of the step
         "bare_vllm_share_of_trl_step": ratio(floor, trl.get("step_s")),

@@ -9,8 +9,8 @@ A framework that was skipped or failed gets its reason instead of figures; one t
 verl's `gen`, TRL's `vLLM.generate` (TRL times no trainer phase of its own that covers the update, so "rest" is
 the step less generation for all three). With `--async-steps 1` flatrl's generation runs beside the update, and
 the column holds its exposed part: `gen` plus `gen_wait`, the time the step waited for it. Where the file has bare
-vLLM's generation of one step (bench_e2e.py --bare-vllm), a last row gives it, flatrl's generation against it and
-its share of each framework's step.
+vLLM's generation of one step (bench_e2e.py --bare-vllm), a last row gives it, flatrl's generation against it, flatrl's
+engine.generate alone on that engine where the file has it, and its share of each framework's step.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def rows(path: str) -> list[list[str]]:
         ]  # fmt: skip
         if q.get("flatrl_gen_vs_bare_vllm"):
             shares.insert(0, f"flatrl's generation {q['flatrl_gen_vs_bare_vllm']:.3f}x")
+        if bare.get("flatrl_generate_s"):  # flatrl's engine.generate on that engine, outside the trainer
+            shares.insert(1, f"flatrl's engine.generate alone {bare['flatrl_generate_s']:.2f} s")
         src = f" (from {bare['from_file']})" if bare.get("from_file") else ""
         out.append(
             [

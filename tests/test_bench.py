@@ -274,3 +274,6 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
         flatrl == f"{7.0 / d['flatrl']['step_s']:.3f} of flatrl's step"
         and trl == f"{7.0 / 34.7017:.3f} of TRL's step"
     )
+    d["bare_vllm"]["flatrl_generate_s"] = 7.5  # since flatrl_n8_call joined the bare run
+    path.write_text(json.dumps(d))
+    assert e2e_table.rows(str(path))[-1][-1].split("; ")[1] == "flatrl's engine.generate alone 7.50 s"
