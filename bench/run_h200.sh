@@ -30,8 +30,10 @@
 #   verl-wait  (no carry)              follows that verl run to its end (send it at once: the machine goes back
 #                                      30 s after a call); start-up alone took over 320 s on an H100
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
-#   compile    (no carry, ~6 min est.) model.compile_layers: bench_update's packed update eager and compiled at 0.5b
+#   compile    (no carry, ~6 min est.) model.compile_layers: bench_update's packed update eager and compiled at $MODEL
 #                                      (checkpointed), then flatrl alone end to end with --compile-layers
+#   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --checkpoint-layers auto, then
+#                                      --compile-layers; ratios against the defaults part's TRL of this machine
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
@@ -72,10 +74,10 @@ fi
 python3 -c "import tyro" || { echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh) with this call"; exit 3; }
 
 MODEL=${MODEL:-0.5b}
-# The flatrl-only parts (levers, compile, levers2, fused, share, async) take TRL's figures from the defaults part
+# The flatrl-only parts (levers, compile, fast, levers2, fused, share, async) take TRL's figures from the defaults part
 # on this machine, for ratios.
 peers_from=()
-[ -f "$WORK/json/e2e_defaults_0.5b.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_0.5b.json")
+[ -f "$WORK/json/e2e_defaults_$MODEL.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_$MODEL.json")
 keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
   mkdir -p "$WORK/json" && [ -f "$OUT/$1" ] && cp "$OUT/$1" "$WORK/json/"
 }
@@ -184,10 +186,17 @@ elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time 
   run e2e-async python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --async-steps 1 --engine-process --out "$OUT/e2e_async.json"
 elif [ "$part" = compile ]; then  # model.compile_layers: the update alone, eager and compiled, then end to end
-  run update-compiled python3 bench/bench_update.py --sizes 0.5b --modes packed,compiled --gradient-checkpointing \
-    --workdir "$WORK" --out "$OUT/update_compiled_0.5b.json"
-  run e2e-compiled python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
-    --compile-layers --out "$OUT/e2e_compiled.json"
+  run update-compiled python3 bench/bench_update.py --sizes "$MODEL" --modes packed,compiled --gradient-checkpointing \
+    --workdir "$WORK" --out "$OUT/update_compiled_$MODEL.json"
+  run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
+    --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
+elif [ "$part" = fast ]; then  # the two update levers together, then compiled alone, at $MODEL, against the defaults
+  # part's TRL (and verl, where a verl part ran) on this machine: a serial step reaches 0.4x TRL only with an update
+  # about 0.55x today's (bench/README.md, dd661b4), which neither lever gives alone
+  run e2e-compiled-auto python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
+    "${peers_from[@]}" --compile-layers --checkpoint-layers auto --out "$OUT/e2e_compiled_auto_$MODEL.json"
+  run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
+    "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
   run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
@@ -229,6 +238,6 @@ elif [ "$part" = smollm2 ]; then
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
