@@ -342,6 +342,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          reference in param_dtype, bf16 2P/W, with a KL loss and no LoRA),
                          W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
                          gradients 4P/W (bf16: 2P/W) during the update only (freed by zero_grad(set_to_none));
+                         the optimizer step: the AdamW state and foreach AdamW's sqrt(v) buffer (4P/W) beside the
+                         gradients, where they exceed what the backward held (activations, logits, unsharded);
                          with offload_optimizer_in_rollout the AdamW state is off the device from its build
                          and from each push until the update's first optimizer step (sync, gen, old_logprob;
                          in the update too when that step is its only one, except by what the state exceeds
@@ -393,8 +395,12 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     fused = getattr(cfg.model, "use_fused_kernels", False)
     tail = update_bytes(shape, ckpt, T, fused)
     # Offloaded and one optimizer step an update: the state comes back at that step, after the last backward, so it
-    # never meets the activations and logits; it counts only where it exceeds them.
-    update_adam = max(0.0, adam - sum(tail.values())) if offload_in_rollout and _one_step(cfg) else adam
+    # never meets the activations and logits. The step itself holds the state and foreach AdamW's sqrt(v) buffer
+    # (one more copy of a moment's size); it sets the update's peak where those exceed what the backward held on top
+    # of the resident state (1.5B at dd661b4: params + grads + AdamW + that buffer, 28.8 GiB, against 27.5-28.7
+    # measured; the backward's 24.4 planned).
+    resident = 0.0 if offload_in_rollout and _one_step(cfg) else adam
+    step_extra = max(0.0, adam - resident + adam / 2 - unsharded - sum(tail.values()))
     critic = getattr(cfg, "critic", None)
     c_adam = c_rollout_adam = 0.0
     if critic is not None:
@@ -409,8 +415,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         | {"optimizer": rollout_adam, "engine asleep": asleep, "unsharded": unsharded}
         | {"logits": 0.0 if fused else logits_bytes_per_token(shape, False) * T, "kernel": workspace},
         "update": base
-        | {"optimizer": update_adam, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
-        | tail,
+        | {"optimizer": resident, "grads": grads, "engine asleep": asleep, "unsharded": unsharded}
+        | tail
+        | {"optimizer step": step_extra},
         "sync": base | {"optimizer": rollout_adam, "engine": engine, "unsharded": unsharded},
     }
     if critic is None:

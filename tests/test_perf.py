@@ -141,11 +141,20 @@ def test_plan_keeps_an_offloaded_state_out_of_the_update_when_it_is_one_optimize
         perf.plan(SimpleNamespace(**(vars(cfg) | {"actor": two})), 1, 140 * GiB).phases["update"]["optimizer"]
         == 8 * P
     )
-    # a state larger than the backward's share (tiny micro-batches) counts by what it exceeds it
+    assert one["optimizer step"] == 0  # the step's 3.7 + 1.8 GiB (the state, foreach AdamW's sqrt(v)) too
+    # the step larger than the backward's share (tiny micro-batches) counts by what it exceeds it: the state and
+    # foreach AdamW's sqrt(v) buffer, 4 bytes a parameter
     tiny = dataclasses.replace(cfg.actor, ppo_max_token_len_per_gpu=768)
     small = perf.plan(SimpleNamespace(**(vars(cfg) | {"actor": tiny})), 1, 140 * GiB).phases["update"]
     tail = small["activations"] + small["logits"] + small["kernel"] + small["recomputed layer"]
-    assert small["optimizer"] == pytest.approx(8 * P - tail) and small["optimizer"] > 0
+    assert small["optimizer"] == 0 and small["optimizer step"] > 0
+    assert small["optimizer step"] == pytest.approx(12 * P - tail - small["unsharded"])
+    # with the state resident the step adds the buffer alone, where it exceeds the backward's share
+    kept = SimpleNamespace(**(vars(cfg) | {"actor": tiny, "model": dataclasses.replace(
+        cfg.model, fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=False))}))  # fmt: skip
+    resident = perf.plan(kept, 1, 140 * GiB).phases["update"]
+    assert resident["optimizer"] == 8 * P
+    assert resident["optimizer step"] == pytest.approx(max(0.0, 4 * P - tail - small["unsharded"]))
     # the e2e bench's batch (one step) at vLLM's share 0.3: auto checkpoints no layer, 8723179's measured setting
     auto = SimpleNamespace(
         **(vars(cfg) | {"model": dataclasses.replace(cfg.model, gradient_checkpointing_layers="auto")})
