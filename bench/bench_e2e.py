@@ -48,7 +48,8 @@ any step; TRL, torch.cuda.max_memory_allocated() and the device's used memory at
 this process also samples the device's used memory every 0.25 s while each framework runs
 (`peak_device_used_sampled_gib` over its training steps, `peak_device_used_run_gib` over its whole process; the
 figures include this process's own CUDA context, the same for each), and the memory ratios compare those
-sampled peaks, which see what a phase-end or step-end reading misses. The target compares device
+sampled peaks, which see what a phase-end or step-end reading misses (flatrl's also per phase,
+`device_used_sampled_by_phase_gib`: 1.5B at dd661b4 sampled 44.8 GiB where no phase ended above 35.0). The target compares device
 used (total minus free: what runs out): torch's allocated count of flatrl's process includes vLLM's sleeping
 KV cache, whose tensors stay allocated while their memory is unmapped (H200, 0.5B: 46 GiB "allocated" in the
 reward phase with 11.6 GiB of the device in use).
@@ -202,6 +203,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         sampled = {
             "peak_device_used_sampled_gib": watch.peak(*steps_window(lines, watch.lines)),
             "peak_device_used_run_gib": watch.peak(),
+            "device_used_sampled_by_phase_gib": sampled_by_phase(lines, watch.lines, watch.samples),
         }
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
@@ -284,6 +286,31 @@ def steps_window(lines: list[dict], seen_at: list[float]) -> tuple[float, float]
     at = [i for i, r in enumerate(lines) if "timing_s/step" in r]
     seen = lambda i: seen_at[i] if i < len(seen_at) else float("inf")  # noqa: E731
     return seen(at[0]) - lines[at[0]]["timing_s/step"], seen(at[-1])
+
+
+def sampled_by_phase(
+    lines: list[dict], seen_at: list[float], samples: list[tuple[float, float]]
+) -> dict[str, float]:
+    """The largest device-used sample (GiB) within each phase of a grpo.py run's training steps, so a sampled peak
+    that no phase-end reading saw has a phase. A step spans (its row's time less timing_s/step, its row's time);
+    its phases are laid end to end from that start in the order its row lists them (the order they ran), each as
+    long as its timing_s; the untimed moments (engine.sleep, the advantages, the logging) go to "untimed". The
+    watch sees a row up to its 0.25 s period late, so a phase's edges are as blurred."""
+    out: dict[str, float] = {}
+    for i, r in enumerate(lines):
+        if "timing_s/step" not in r or i >= len(seen_at):
+            continue
+        t = start = seen_at[i] - r["timing_s/step"]
+        spans = []
+        for k, v in r.items():
+            if k.startswith("timing_s/") and k != "timing_s/step":
+                spans.append((k.removeprefix("timing_s/"), t, t + v))
+                t += v
+        for when, gib in samples:
+            if start <= when <= seen_at[i]:
+                name = next((n for n, a, b in spans if a <= when < b), "untimed")
+                out[name] = max(out.get(name, 0.0), gib)
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def timeout_tail(e: subprocess.TimeoutExpired) -> str:

@@ -232,6 +232,33 @@ def test_memory_ratios_use_the_sampled_peaks_and_the_steps_window():
     )  # the last row came after the watch
 
 
+def test_each_sampled_peak_is_put_in_the_phase_that_held_it():
+    """bench_e2e.sampled_by_phase: the device samples of each step fall into that step's phases, laid end to end
+    from the step's start in the row's order; what falls between them is "untimed", and samples outside the steps
+    (start-up, the validation row) count nowhere."""
+    lines = [
+        {"step": 0, "val/reward/mean": 0.1},
+        {"timing_s/gen": 5.0, "timing_s/update": 3.0, "timing_s/offload": 0.5, "timing_s/sync": 1.0,
+         "timing_s/step": 10.0},
+        {"timing_s/gen": 4.0, "timing_s/update": 3.0, "timing_s/offload": 0.5, "timing_s/sync": 1.0,
+         "timing_s/step": 9.0},
+    ]  # fmt: skip
+    seen = [2.0, 20.0, 29.0]  # the steps span 10-20 and 20-29
+    samples = [(1.0, 99.0), (11.0, 30.0), (14.9, 31.0), (16.0, 20.0), (18.2, 44.0), (19.6, 25.0),
+               (22.0, 33.0), (25.0, 21.0), (28.0, 35.0), (40.0, 98.0)]  # fmt: skip
+    assert bench_e2e.sampled_by_phase(lines, seen, samples) == {
+        "gen": 33.0,  # 10-15 and 20-24
+        "update": 21.0,  # 15-18 and 24-27
+        "offload": 44.0,  # 18-18.5
+        "sync": 35.0,  # 18.5-19.5 and 27.5-28.5
+        "untimed": 25.0,  # 19.5-20
+    }
+    # the last row unseen (written after the watch stopped): that step's samples count nowhere
+    assert bench_e2e.sampled_by_phase(lines, seen[:2], samples) == {
+        "gen": 31.0, "update": 20.0, "offload": 44.0, "untimed": 25.0,
+    }  # fmt: skip
+
+
 def test_plan_check_takes_the_engines_share_out_of_the_allocated_peak():
     """The H200 0.5B run at b61eafc (bench/results/e2e_0.5b_verl_failed_b61eafc.json): torch's allocated peak of the
     update phase, 80.39 GiB, holds vLLM's 0.3 x 139.8 GiB pool, asleep; less that, 38.45 GiB against the plan's
