@@ -342,8 +342,9 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          reference in param_dtype, bf16 2P/W, with a KL loss and no LoRA),
                          W the ranks sharing the shards (model.fsdp_config.hsdp_shard_size with HSDP);
                          gradients 4P/W (bf16: 2P/W) during the update only (freed by zero_grad(set_to_none));
-                         the optimizer step: the AdamW state and foreach AdamW's sqrt(v) buffer (4P/W) beside the
-                         gradients, where they exceed what the backward held (activations, logits, unsharded);
+                         the optimizer step: the AdamW state and foreach AdamW's sqrt(v) buffer (4P/W; none with
+                         actor.optim.fused) beside the gradients, where they exceed what the backward held
+                         (activations, logits, unsharded);
                          with offload_optimizer_in_rollout the AdamW state is off the device from its build
                          and from each push until the update's first optimizer step (sync, gen, old_logprob;
                          in the update too when that step is its only one, except by what the state exceeds
@@ -400,7 +401,10 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     # of the resident state (1.5B at dd661b4: params + grads + AdamW + that buffer, 28.8 GiB, against 27.5-28.7
     # measured; the backward's 24.4 planned).
     resident = 0.0 if offload_in_rollout and _one_step(cfg) else adam
-    step_extra = max(0.0, adam - resident + adam / 2 - unsharded - sum(tail.values()))
+    fused_adamw = getattr(getattr(cfg.actor, "optim", None), "fused", False)  # optim.fused: no sqrt(v) buffer
+    step_extra = max(
+        0.0, adam - resident + (0.0 if fused_adamw else adam / 2) - unsharded - sum(tail.values())
+    )
     critic = getattr(cfg, "critic", None)
     c_adam = c_rollout_adam = 0.0
     if critic is not None:

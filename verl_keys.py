@@ -198,7 +198,10 @@ def _optim(ours: str, grad_clip: str | None) -> dict[str, Rule]:
         "optimizer": Only(("AdamW",), "flatrl trains with torch.optim.AdamW"),
         "optimizer_impl": Only(("torch.optim",), "flatrl trains with torch.optim.AdamW"),
         "override_optimizer_config": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
-        "override_optimizer_config.*": Only((None, {}), "AdamW takes lr, betas and weight_decay only"),
+        "override_optimizer_config.fused": Map(f"{ours}.fused"),
+        "override_optimizer_config.*": Only(
+            (None, {}), "AdamW takes lr, betas and weight_decay, and override_optimizer_config.fused only"
+        ),
         "lr_decay_style": Map(f"{ours}.lr_scheduler"),
         "zero_indexed_step": Ignore(
             "flatrl's warm-up gives its first step lr / warm-up steps (verl's zero_indexed_step=false); "

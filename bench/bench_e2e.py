@@ -145,7 +145,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
         },
         "actor": {
             "ppo_mini_batch_size": args.num_prompts, "use_dynamic_bsz": True,
-            "ppo_max_token_len_per_gpu": args.token_budget, "optim": {"lr": 1e-6},
+            "ppo_max_token_len_per_gpu": args.token_budget, "optim": {"lr": 1e-6, "fused": args.fused_adamw},
         },
         "rollout": {
             "n": args.n, "ignore_eos": True, "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -330,6 +330,7 @@ def plan_by_phase(
 
     import actor
     import fsdp
+    import optim
     import perf
     import rollout
 
@@ -346,6 +347,7 @@ def plan_by_phase(
             use_dynamic_bsz=True,
             ppo_max_token_len_per_gpu=args.token_budget,
             ppo_mini_batch_size=args.num_prompts,
+            optim=optim.OptimConfig(fused=getattr(args, "fused_adamw", False)),
         ),
         rollout=rollout.RolloutConfig(
             gpu_memory_utilization=args.gpu_memory_utilization, async_steps=args.async_steps
@@ -652,7 +654,7 @@ def main(args: argparse.Namespace) -> dict:
            "flatrl_offload_optimizer_in_rollout": args.offload_optimizer,
            "flatrl_engine_process": args.engine_process, "flatrl_per_request_seeds": args.per_request_seeds,
            "flatrl_use_fused_kernels": args.use_fused_kernels, "flatrl_compile_layers": args.compile_layers,
-           "flatrl_async_steps": args.async_steps,
+           "flatrl_async_steps": args.async_steps, "flatrl_fused_adamw": args.fused_adamw,
            "skip_flatrl": args.skip_flatrl, "flatrl_from": args.flatrl_from, "peers_from": args.peers_from,
            "timeout_s": args.timeout_s,
            "verl_override": args.verl_override, "verl_attention": args.verl_attention,
@@ -796,6 +798,7 @@ FLATRL_ONLY = {
     "--engine-process": lambda a: a.engine_process,
     "--use-fused-kernels": lambda a: a.use_fused_kernels,
     "--compile-layers": lambda a: a.compile_layers,
+    "--fused-adamw": lambda a: a.fused_adamw,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
     "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
@@ -897,6 +900,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-layers",
         action="store_true",
         help="flatrl with model.compile_layers: each decoder layer's forward through torch.compile (inductor)",
+    )
+    p.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="flatrl with actor.optim.fused: torch's fused AdamW step, without foreach's sqrt(v) buffer",
     )
     p.add_argument(
         "--engine-process",

@@ -32,7 +32,8 @@
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
 #   compile    (no carry, ~6 min est.) model.compile_layers: bench_update's packed update eager and compiled at $MODEL
 #                                      (checkpointed), then flatrl alone end to end with --compile-layers
-#   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --checkpoint-layers auto, then
+#   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --use-fused-kernels
+#                                      --token-budget 65536 --fused-adamw --checkpoint-layers auto, then
 #                                      --compile-layers; ratios against the defaults part's TRL of this machine
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
@@ -190,11 +191,15 @@ elif [ "$part" = compile ]; then  # model.compile_layers: the update alone, eage
     --workdir "$WORK" --out "$OUT/update_compiled_$MODEL.json"
   run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
-elif [ "$part" = fast ]; then  # the two update levers together, then compiled alone, at $MODEL, against the defaults
-  # part's TRL (and verl, where a verl part ran) on this machine: a serial step reaches 0.4x TRL only with an update
-  # about 0.55x today's (bench/README.md, dd661b4), which neither lever gives alone
-  run e2e-compiled-auto python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
-    "${peers_from[@]}" --compile-layers --checkpoint-layers auto --out "$OUT/e2e_compiled_auto_$MODEL.json"
+elif [ "$part" = fast ]; then  # the update levers together, then compiled alone, at $MODEL, against the defaults
+  # part's TRL on this machine: a serial step reaches 0.4x TRL only with an update about 0.55x today's
+  # (bench/README.md, dd661b4), which no lever gives alone. Together: compiled layers; the fused LM head (no
+  # [T, V] logits), which leaves room for 65,536-token micro-batches (a quarter of the micro-batches, of the
+  # host's per-micro-batch work); fused AdamW (no sqrt(v) buffer at the step, 1.5B's peak); and auto checkpointing
+  # in the room those leave
+  run e2e-levers python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
+    "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
+    --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL.json"
   run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
     "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off

@@ -343,6 +343,34 @@ def test_gpu_optimizer_offload_round_trip(one_rank):
     opt.step()  # an update's second optimizer step: nothing is offloaded, the host buffers stay for the next push
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_adamw_on_fsdp2_matches_foreach_through_an_offload(one_rank):
+    """actor.optim.fused on the GPU: torch's fused AdamW steps FSDP2's DTensor parameters as foreach does (within
+    1e-6 over three steps), with the state (its step counts on the device too) offloaded and reloaded between steps,
+    as grpo.py's loop does."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256)
+    models, opts, offloads = [], [], []
+    for fused in (False, True):
+        m = torch.nn.Linear(256, 256)
+        m.load_state_dict(base.state_dict())
+        m = fully_shard(m.cuda())
+        o = optim.build(m.parameters(), optim.OptimConfig(lr=1e-2, fused=fused), 3)[0]
+        models, opts, offloads = models + [m], opts + [o], offloads + [fsdp.OptimizerOffload(o)]
+    for _ in range(3):
+        x = torch.randn(4, 256, device="cuda")
+        for m, o, off in zip(models, opts, offloads, strict=True):
+            off.offload()
+            m(x).square().mean().backward()
+            o.step()  # reloads first
+            o.zero_grad(set_to_none=True)
+    a, b = (m.weight.full_tensor() for m in models)
+    assert (a - b).abs().max().item() < 1e-6 and (a.cpu() - base.weight).abs().max().item() > 1e-3
+
+
 def test_optimizer_offload_reload_is_a_no_op_when_nothing_is_offloaded(monkeypatch):
     """The host buffers outlive an offload; a reload with nothing freed (an update's second optimizer step, or a
     state_dict() after the first) must leave the state alone. It raised on the GPU until 2026-12-06 (zip of no
@@ -634,3 +662,45 @@ def test_the_loop_offloads_in_a_phase_of_its_own_before_the_push(one_rank, toy_d
     assert len(rows) == 2 and all(r["timing_s/offload"] >= 0.0 and r["timing_s/sync"] > 0.0 for r in rows), (
         rows
     )
+
+
+def test_fused_adamw_steps_as_foreach_and_leaves_the_plan_its_buffer(tmp_path):
+    """actor.optim.fused: torch's fused AdamW moves the weights as the default foreach one does (float32, CPU:
+    within 1e-6 after three steps, with the moments made early by init_state), and the plan's optimizer step drops
+    foreach's sqrt(v) buffer, 4 bytes a parameter; off by default (torch's choice, as verl's)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    models = [base, type(base)(*[type(m)(m.in_features, m.out_features) for m in base])]
+    models[1].load_state_dict(base.state_dict())
+    start = [p.detach().clone() for p in base.parameters()]
+    opts = [
+        optim.build(m.parameters(), optim.OptimConfig(lr=1e-2, fused=f), 3)[0]
+        for m, f in zip(models, (False, True), strict=True)
+    ]
+    assert not opts[0].defaults.get("fused") and opts[1].defaults["fused"]
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        for m, o in zip(models, opts, strict=True):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    apart = max(
+        (a - b).abs().max().item() for a, b in zip(base.parameters(), models[1].parameters(), strict=True)
+    )
+    moved = min((a - b).abs().max().item() for a, b in zip(base.parameters(), start, strict=True))
+    assert apart < 1e-6 and moved > 1e-3, (apart, moved)  # three steps at lr 1e-2 moved every tensor
+    # the plan: 1.5B-like state larger than the backward's share (tiny micro-batches), one step, offloaded
+    Qwen2Config(**QWEN05).save_pretrained(tmp_path)
+    P = 494_032_768
+    cfg = SimpleNamespace(
+        model=actor.ModelConfig(path=str(tmp_path)),
+        actor=actor.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=768, ppo_mini_batch_size=64),
+        rollout=rollout.RolloutConfig(gpu_memory_utilization=0.3),
+        data=SimpleNamespace(max_prompt_length=256, max_response_length=512, train_batch_size=64),
+    )
+    foreach = perf.plan(cfg, 1, 140 * 2**30).phases["update"]["optimizer step"]
+    fused_actor = dataclasses.replace(cfg.actor, optim=optim.OptimConfig(fused=True))
+    fused = perf.plan(SimpleNamespace(**(vars(cfg) | {"actor": fused_actor})), 1, 140 * 2**30).phases[
+        "update"
+    ]
+    assert foreach - fused["optimizer step"] == pytest.approx(4 * P) and fused["optimizer step"] > 0

@@ -463,6 +463,21 @@ def test_verl_fused_kernels_reach_the_policy_only(capsys):
     assert "ignored: critic.model.use_fused_kernels=True" in err  # model.* keys move silently, as named
 
 
+def test_verl_fused_optimizer_reaches_each_optimizer(capsys):
+    """verl's optim.override_optimizer_config.fused (its optimizer's kwargs) turns on torch's fused AdamW for the
+    policy and the critic; any other kwarg is refused naming the key, as before."""
+    c = config.parse(grpo.GRPOConfig, ["+actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"])
+    assert c.actor.optim.fused and not grpo.GRPOConfig().actor.optim.fused
+    k = config.parse(ppo.PPOConfig, ["+critic.optim.override_optimizer_config.fused=True"])
+    assert k.critic.optim.fused and not k.actor.optim.fused
+    assert "override_optimizer_config.fused -> actor.optim.fused" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        config.parse(
+            grpo.GRPOConfig, ["+actor_rollout_ref.actor.optim.override_optimizer_config.foreach=false"]
+        )
+    assert "override_optimizer_config.foreach" in str(e.value.code), e.value.code
+
+
 def test_verl_model_dtype_reaches_each_model(capsys):
     """verl's fsdp_config.model_dtype (bf16 master weights in its gpt-oss and multi-turn examples) sets the stored
     dtype of the policy, the critic and SFT's model, by verl's names; fp16 is refused naming the key."""
