@@ -558,9 +558,10 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     tokens each): bench_rollout.py's bare_n8 in its own process, on an engine started with flatrl's defaults at this
     run's vLLM share and lengths, so its seconds are the floor of any framework's generation phase here. Its
     ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
-    generation in series cannot go under). Then, on that engine, flatrl's engine.generate with its defaults
+    generation in series cannot go under). Before it, on that engine, flatrl's engine.generate with its defaults
     (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
-    flatrl's generation outside the trainer's process."""
+    flatrl's generation outside the trainer's process. flatrl's call goes first, so whatever a first full-size call
+    costs (after the bench's short warm-up) falls on it, not on the floor."""
     if args.bare_vllm == "off":
         return {"skipped": "--bare-vllm off"}
     if args.bare_vllm == "auto" and not torch.cuda.is_available():
@@ -572,7 +573,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     flags = {
         "--model": "toy" if args.toy else args.model, "--workdir": work, "--num-prompts": args.num_prompts,
         "--n": args.n, "--prompt-len": args.prompt_len, "--response-len": args.response_len,
-        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "bare_n8,flatrl_n8_call", "--out": out,
+        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "flatrl_n8_call,bare_n8", "--out": out,
     }  # fmt: skip
     if args.model == "smollm2" or args.toy:
         flags["--model-path"] = model

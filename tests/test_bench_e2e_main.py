@@ -224,7 +224,7 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
                             "--bare-vllm", "on"])  # fmt: skip
     r = bench_e2e.run_bare(args, "/m/1.5b", str(tmp_path))
     flags = dict(zip(seen["cmd"][2::2], seen["cmd"][3::2], strict=True))
-    assert seen["cmd"][1].endswith("bench/bench_rollout.py") and flags["--runs"] == "bare_n8,flatrl_n8_call"
+    assert seen["cmd"][1].endswith("bench/bench_rollout.py") and flags["--runs"] == "flatrl_n8_call,bare_n8"
     assert (flags["--model"], flags["--num-prompts"], flags["--n"]) == ("1.5b", "32", "8")
     assert (flags["--prompt-len"], flags["--response-len"], flags["--gpu-memory-utilization"]) == (
         "256",
