@@ -560,7 +560,8 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
     generation in series cannot go under). Before it, on that engine, flatrl's engine.generate with its defaults
     (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
-    flatrl's generation outside the trainer's process. flatrl's call goes first, so whatever a first full-size call
+    flatrl's generation outside the trainer's process; and with the check's logprobs for 2 prompts
+    (`flatrl_generate_check2_s`). flatrl's call goes first, so whatever a first full-size call
     costs (after the bench's short warm-up) falls on it, not on the floor."""
     if args.bare_vllm == "off":
         return {"skipped": "--bare-vllm off"}
@@ -573,7 +574,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     flags = {
         "--model": "toy" if args.toy else args.model, "--workdir": work, "--num-prompts": args.num_prompts,
         "--n": args.n, "--prompt-len": args.prompt_len, "--response-len": args.response_len,
-        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "flatrl_n8_call,bare_n8", "--out": out,
+        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "flatrl_n8_call,flatrl_n8_check2,bare_n8", "--out": out,
     }  # fmt: skip
     if args.model == "smollm2" or args.toy:
         flags["--model-path"] = model
@@ -589,6 +590,9 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     return {
         "gen_s": run["seconds"],
         "flatrl_generate_s": alone.get("seconds"),
+        # the same with the push check's logprobs for 2 prompts instead of rollout.logprob_check_prompts (8):
+        # what the check's size costs (vLLM's host-side processing of each requested logprob)
+        "flatrl_generate_check2_s": r["runs"].get("flatrl_n8_check2", {}).get("seconds"),
         "tok_per_s": run["tok_per_s"],
         "tokens": run["tokens"],
         "engine_start_s": r["engine_start_s"],

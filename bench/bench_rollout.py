@@ -18,6 +18,8 @@ Runs (generated tokens / wall seconds of one generate call):
     flatrl_n8_all     flatrl_n8_call with logprobs for every prompt (rollout.logprob_check_prompts=-1)
     flatrl_n8_request flatrl_n8_call with one seeded generator per request (rollout.per_request_seeds=True);
                       not in the default --runs (it adds ~40 s on the H200), ask for it by name
+    flatrl_n8_checkK  flatrl_n8_call with logprob_check_prompts=K (e.g. flatrl_n8_check2): the push check's
+                      cost by its size; by name only
 
 Each run's entry: sequences, tokens, seconds, tok_per_s, and `logprobs` (bare: the SamplingParams.logprobs asked;
 flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them).
@@ -109,8 +111,12 @@ def main(args: argparse.Namespace) -> dict:
         if name.startswith("bare"):
             n = 1 if name == "bare_n1" else args.n
             runs[name] = run_bare(engine, prompts, n, args.response_len, logprobs=name == "bare_n8_lp")
-        elif name in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request"):
+        elif name in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request") or name.startswith(
+            "flatrl_n8_check"
+        ):
             k = -1 if name == "flatrl_n8_all" else args.logprob_check_prompts
+            if name.startswith("flatrl_n8_check"):  # flatrl_n8_call with logprob_check_prompts=K
+                k = int(name.removeprefix("flatrl_n8_check"))
             per_request = name == "flatrl_n8_request"
             runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, per_request, k)
         else:

@@ -84,7 +84,10 @@ def rows(path: str) -> list[list[str]]:
         if q.get("flatrl_gen_vs_bare_vllm"):
             shares.insert(0, f"flatrl's generation {q['flatrl_gen_vs_bare_vllm']:.3f}x")
         if bare.get("flatrl_generate_s"):  # flatrl's engine.generate on that engine, outside the trainer
-            shares.insert(1, f"flatrl's engine.generate alone {bare['flatrl_generate_s']:.2f} s")
+            alone = f"flatrl's engine.generate alone {bare['flatrl_generate_s']:.2f} s"
+            if bare.get("flatrl_generate_check2_s"):  # the push check on 2 prompts
+                alone += f" ({bare['flatrl_generate_check2_s']:.2f} s checking 2 prompts)"
+            shares.insert(1, alone)
         src = f" (from {bare['from_file']})" if bare.get("from_file") else ""
         out.append(
             [

@@ -52,9 +52,19 @@ def test_bench_attention(tmp_path, work):
 
 @pytest.mark.slow
 def test_bench_rollout(tmp_path, work):
-    r = run_bench("bench_rollout.py", tmp_path, work)
+    default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
+    r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + ",flatrl_n8_check1")
     runs = r["runs"]
-    assert set(runs) == {"bare_n1", "bare_n8", "bare_n8_lp", "flatrl_n8_call", "flatrl_n8_all"}
+    assert set(runs) == {
+        "bare_n1",
+        "bare_n8",
+        "bare_n8_lp",
+        "flatrl_n8_call",
+        "flatrl_n8_all",
+        "flatrl_n8_check1",
+    }
+    # by name: the push check's logprobs for 1 prompt (n=2) instead of --logprob-check-prompts
+    assert runs["flatrl_n8_check1"]["logprobs"] == {"logprob_check_prompts": 1, "samples_with_logprobs": 2}
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
     assert runs["bare_n8_lp"]["tokens"] == runs["flatrl_n8_call"]["tokens"] == 4 * 2 * 16
     assert runs["flatrl_n8_all"]["tokens"] == 4 * 2 * 16
@@ -277,3 +287,7 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
     d["bare_vllm"]["flatrl_generate_s"] = 7.5  # since flatrl_n8_call joined the bare run
     path.write_text(json.dumps(d))
     assert e2e_table.rows(str(path))[-1][-1].split("; ")[1] == "flatrl's engine.generate alone 7.50 s"
+    d["bare_vllm"]["flatrl_generate_check2_s"] = 7.25
+    path.write_text(json.dumps(d))
+    alone = e2e_table.rows(str(path))[-1][-1].split("; ")[1]
+    assert alone == "flatrl's engine.generate alone 7.50 s (7.25 s checking 2 prompts)"

@@ -215,7 +215,11 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
         seen["cmd"] = cmd
         out = Path(cmd[cmd.index("--out") + 1])
         run = {"seconds": 3.5, "tok_per_s": 74898.3, "tokens": 262144}
-        runs = {"bare_n8": run, "flatrl_n8_call": run | {"seconds": 3.7}}
+        runs = {
+            "bare_n8": run,
+            "flatrl_n8_call": run | {"seconds": 3.7},
+            "flatrl_n8_check2": run | {"seconds": 3.6},
+        }
         out.write_text(json.dumps({"runs": runs, "engine_start_s": 31.0, "engine": {"x": 1}}))
         return bench_e2e.subprocess.CompletedProcess(cmd, 0, "", "")
 
@@ -224,7 +228,10 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
                             "--bare-vllm", "on"])  # fmt: skip
     r = bench_e2e.run_bare(args, "/m/1.5b", str(tmp_path))
     flags = dict(zip(seen["cmd"][2::2], seen["cmd"][3::2], strict=True))
-    assert seen["cmd"][1].endswith("bench/bench_rollout.py") and flags["--runs"] == "flatrl_n8_call,bare_n8"
+    assert (
+        seen["cmd"][1].endswith("bench/bench_rollout.py")
+        and flags["--runs"] == "flatrl_n8_call,flatrl_n8_check2,bare_n8"
+    )
     assert (flags["--model"], flags["--num-prompts"], flags["--n"]) == ("1.5b", "32", "8")
     assert (flags["--prompt-len"], flags["--response-len"], flags["--gpu-memory-utilization"]) == (
         "256",
@@ -233,6 +240,7 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
     )
     assert "--model-path" not in flags and r["gen_s"] == 3.5 and r["engine_start_s"] == 31.0
     assert r["flatrl_generate_s"] == 3.7  # flatrl's engine.generate on that engine, outside the trainer
+    assert r["flatrl_generate_check2_s"] == 3.6  # the same with the check's logprobs for 2 prompts
     q = bench_e2e.ratios({"phases_s": {"gen": 4.07}}, {}, {}, r)
     assert round(q["flatrl_generate_alone_vs_bare_vllm"], 6) == round(3.7 / 3.5, 6)
     assert round(q["flatrl_gen_vs_flatrl_generate_alone"], 6) == round(4.07 / 3.7, 6)
