@@ -84,3 +84,25 @@ def test_warmup_steps_win_over_the_ratio():
     assert [optim.lr_factor(s, 100, cfg) for s in (0, 4, 9, 10, 60)] == [0.1, 0.5, 1.0, 1.0, 1.0]
     ratio = optim.OptimConfig(warmup_steps_ratio=0.5, lr_scheduler="constant")
     assert optim.lr_factor(9, 100, ratio) == 0.2 and optim.lr_factor(49, 100, ratio) == 1.0
+
+
+def test_fused_adamw_state_made_early_trains_as_a_lazy_fused_one_on_fsdp2(one_rank, tiny_qwen2):
+    """optim.fused: build() makes the fused AdamW's state early too (its step counts are tensors on the
+    parameters' device), and 3 steps then match a lazily made fused AdamW bit for bit, on FSDP2's shards."""
+    cfg = optim.OptimConfig(lr=1e-2, weight_decay=0.1, fused=True)
+    models = [
+        fsdp.shard_model(fsdp.load_model(str(tiny_qwen2)), one_rank.device, fsdp.FSDPConfig()) for _ in "ab"
+    ]
+    before = local(models[0].state_dict()["model.norm.weight"]).clone()
+    eager, _ = optim.build(models[0].parameters(), cfg, total_steps=3)
+    lazy = torch.optim.AdamW(
+        models[1].parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True
+    )
+    assert eager.defaults["fused"] and all(float(s["step"]) == 0.0 for s in eager.state.values())
+    for m, o in zip(models, (eager, lazy), strict=True):
+        m.train()
+        train(m, o, 3)
+    a, b = models[0].state_dict(), models[1].state_dict()
+    assert all(torch.equal(local(a[k]), local(b[k])) for k in a)
+    assert not torch.equal(local(a["model.norm.weight"]), before)  # it trained
+    assert all(float(s["step"]) == 3.0 for s in eager.state.values())
