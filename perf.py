@@ -365,7 +365,8 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     PPO (cfg.critic)     + the critic's params and AdamW, as the actor's by its own fsdp_config (AdamW off the device
                          in rollout like the actor's); the reference also with algorithm.use_kl_in_reward; an
                          "update_critic" phase: critic gradients, activations of a critic micro-batch, its
-                         unsharded copies, no logits (a scalar head)
+                         unsharded copies, no logits (a scalar head), and its optimizer step's sqrt(v) buffer
+                         where that exceeds them (none with critic.optim.fused)
     """
     fs = cfg.model.fsdp_config
     P, W = shape.params, getattr(fs, "hsdp_shard_size", 0) or world_size  # HSDP shards over its group only
@@ -436,13 +437,18 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
         else critic.ppo_micro_batch_size_per_gpu * longest
     ) / c_sp
     c_ckpt = checkpointed_layers(critic.model, shape)
+    c_activations = activation_bytes_per_token(shape, c_ckpt) * Tc
+    c_fused = getattr(
+        getattr(critic, "optim", None), "fused", False
+    )  # its step's sqrt(v) buffer, as the actor's
     phases["update_critic"] = base | {  # before the actor's update: the actor's AdamW still as in rollout
         "optimizer": rollout_adam,
         "critic optimizer": c_adam,
         "critic grads": 0.0 if c_off else cb * P / W,
         "engine asleep": asleep,
         "unsharded": unsharded,
-        "activations": activation_bytes_per_token(shape, c_ckpt) * Tc,
+        "activations": c_activations,
+        "critic optimizer step": max(0.0, (0.0 if c_fused else c_adam / 2) - unsharded - c_activations),
     }
     return phases
 

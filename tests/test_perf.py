@@ -525,6 +525,22 @@ def test_plan_counts_the_ppo_critic_and_kl_in_reward_reference(tmp_path):
     assert crit["activations"] == 4 * 768 * perf.activation_bytes_per_token(
         perf.model_shape(str(tmp_path)), False
     )
+    assert crit["critic optimizer step"] == 0  # 4 x 768 tokens' activations exceed the step's sqrt(v) buffer
+    # a checkpointed critic of one sequence a micro-batch: its optimizer step, foreach AdamW's sqrt(v) buffer (2P a
+    # rank), exceeds what the backward held; with critic.optim.fused there is none
+    small = dataclasses.replace(
+        cfg.critic,
+        ppo_micro_batch_size_per_gpu=1,
+        model=dataclasses.replace(cfg.critic.model, enable_gradient_checkpointing=True),
+    )
+    lean = perf.plan(dataclasses.replace(cfg, critic=small), world_size=2, device_total=140 * GiB).phases
+    step = 2 * P - lean["update_critic"]["activations"] - lean["update_critic"]["unsharded"]
+    assert step > 0 and lean["update_critic"]["critic optimizer step"] == pytest.approx(step)
+    fused = dataclasses.replace(small, optim=dataclasses.replace(small.optim, fused=True))
+    fused_phases = perf.plan(
+        dataclasses.replace(cfg, critic=fused), world_size=2, device_total=140 * GiB
+    ).phases
+    assert fused_phases["update_critic"]["critic optimizer step"] == 0
     offload = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=True)),
