@@ -36,10 +36,10 @@ between optimizer-step ends); the first step is reported apart (first-call costs
 - bare vLLM (`--bare-vllm auto|on|off`, auto where CUDA is; after flatrl, and only where flatrl runs): one step's
   generation (`--num-prompts` x `--n`, fixed lengths) by a plain `vllm.LLM.generate` on an engine with flatrl's
   defaults at the same share (bench_rollout.py's bare_n8, its own process): the floor of every generation phase
-  here, and its share of each step, what a step that generates in series cannot go under. The same engine then
-  runs flatrl's `engine.generate` alone (flatrl_n8_call: the push check's logprobs for
-  `rollout.logprob_check_prompts` prompts, the Completions), which splits flatrl's distance from the floor into
-  what it asks of vLLM and what the training process around the engine adds.
+  here, and its share of each step, what a step that generates in series cannot go under. Before it, the same
+  engine runs flatrl's `engine.generate` alone (flatrl_n8_call: the push check's logprobs for
+  `rollout.logprob_check_prompts` prompts, the Completions; then flatrl_n8_check2, the check on 2 prompts), which
+  splits flatrl's distance from the floor into what it asks of vLLM and what the training process adds.
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
