@@ -36,10 +36,11 @@ between optimizer-step ends); the first step is reported apart (first-call costs
 - bare vLLM (`--bare-vllm auto|on|off`, auto where CUDA is; after flatrl, and only where flatrl runs): one step's
   generation (`--num-prompts` x `--n`, fixed lengths) by a plain `vllm.LLM.generate` on an engine with flatrl's
   defaults at the same share (bench_rollout.py's bare_n8, its own process): the floor of every generation phase
-  here, and its share of each step, what a step that generates in series cannot go under. Before it, the same
-  engine runs flatrl's `engine.generate` alone (flatrl_n8_call: the push check's logprobs for
-  `rollout.logprob_check_prompts` prompts, the Completions; then flatrl_n8_check2, the check on 2 prompts), which
-  splits flatrl's distance from the floor into what it asks of vLLM and what the training process adds.
+  here, and its share of each step, what a step that generates in series cannot go under. The same engine runs
+  flatrl's `engine.generate` alone (flatrl_n8_call: the push check's logprobs for `rollout.logprob_check_prompts`
+  prompts, the Completions; flatrl_n8_check2, the check on 2 prompts), which splits flatrl's distance from the
+  floor into what it asks of vLLM and what the training process adds. The calls interleave (bare, flatrl, check2,
+  bare, flatrl) and each figure is the mean of its two: calls in a row on one engine drift (run_bare).
 Phases: flatrl's timing_s/* (median over the steps after the first); TRL's blocks as its own profiling_context
 times them (vLLM.generate, sync_weights, the reward function), the same medians; `flatrl_vs_trl_gen_time` sets
 the two generations side by side (TRL's colocated mode asks vLLM for n=1 per duplicated prompt, with logprobs).
@@ -83,6 +84,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import common
@@ -204,6 +206,12 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
             "peak_device_used_sampled_gib": watch.peak(*steps_window(lines, watch.lines)),
             "peak_device_used_run_gib": watch.peak(),
             "device_used_sampled_by_phase_gib": sampled_by_phase(lines, watch.lines, watch.samples),
+            # the SM clock (MHz) in each phase, mean of its samples: is generation slower in the step than alone
+            # because the device runs slower after the update (its power limit, its heat)?
+            "sm_clock_mhz_by_phase": sampled_by_phase(
+                lines, watch.lines, [(c[0], c[1]) for c in watch.clocks], statistics.fmean
+            ),
+            "gpu": common.clock_summary(watch.clocks, *steps_window(lines, watch.lines)),
         }
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
@@ -289,14 +297,18 @@ def steps_window(lines: list[dict], seen_at: list[float]) -> tuple[float, float]
 
 
 def sampled_by_phase(
-    lines: list[dict], seen_at: list[float], samples: list[tuple[float, float]]
+    lines: list[dict],
+    seen_at: list[float],
+    samples: list[tuple[float, float]],
+    reduce: Callable[[list[float]], float] = max,
 ) -> dict[str, float]:
     """The largest device-used sample (GiB) within each phase of a grpo.py run's training steps, so a sampled peak
-    that no phase-end reading saw has a phase. A step spans (its row's time less timing_s/step, its row's time);
+    that no phase-end reading saw has a phase (`reduce` another summary of the phase's samples than max: the mean
+    SM clock). A step spans (its row's time less timing_s/step, its row's time);
     its phases are laid end to end from that start in the order its row lists them (the order they ran), each as
     long as its timing_s; the untimed moments (engine.sleep, the advantages, the logging) go to "untimed". The
     watch sees a row up to its 0.25 s period late, so a phase's edges are as blurred."""
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     for i, r in enumerate(lines):
         if "timing_s/step" not in r or i >= len(seen_at):
             continue
@@ -306,11 +318,11 @@ def sampled_by_phase(
             if k.startswith("timing_s/") and k != "timing_s/step":
                 spans.append((k.removeprefix("timing_s/"), t, t + v))
                 t += v
-        for when, gib in samples:
+        for when, value in samples:
             if start <= when <= seen_at[i]:
                 name = next((n for n, a, b in spans if a <= when < b), "untimed")
-                out[name] = max(out.get(name, 0.0), gib)
-    return {k: round(v, 2) for k, v in out.items()}
+                out.setdefault(name, []).append(value)
+    return {k: round(reduce(v), 2) for k, v in out.items()}
 
 
 def timeout_tail(e: subprocess.TimeoutExpired) -> str:
@@ -550,7 +562,12 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
     # The worker's perf_counter is CLOCK_MONOTONIC, the same clock as the watch's in this process (Linux).
     result["peak_device_used_sampled_gib"] = watch.peak(result["train_start"], result["train_end"])
     result["peak_device_used_run_gib"] = watch.peak()
+    result["gpu"] = common.clock_summary(watch.clocks, result["train_start"], result["train_end"])
     return result
+
+
+# bench_rollout.py's runs for run_bare, interleaved (`#2`: the same run again)
+BARE_RUNS = "bare_n8,flatrl_n8_call,flatrl_n8_check2,bare_n8#2,flatrl_n8_call#2"
 
 
 def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
@@ -558,11 +575,13 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     tokens each): bench_rollout.py's bare_n8 in its own process, on an engine started with flatrl's defaults at this
     run's vLLM share and lengths, so its seconds are the floor of any framework's generation phase here. Its
     ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
-    generation in series cannot go under). Before it, on that engine, flatrl's engine.generate with its defaults
+    generation in series cannot go under). On that engine too, flatrl's engine.generate with its defaults
     (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
     flatrl's generation outside the trainer's process; and with the check's logprobs for 2 prompts
-    (`flatrl_generate_check2_s`). flatrl's call goes first, so whatever a first full-size call
-    costs (after the bench's short warm-up) falls on it, not on the floor."""
+    (`flatrl_generate_check2_s`). The calls interleave, bare, flatrl, check2, bare, flatrl (BARE_RUNS), and each
+    figure is the mean of its two calls: at 01e8306 three calls in a row each took longer than the one before
+    (0.5B 5.40, 5.54, 6.02 s; 135M 6.97, 8.04, 8.12 s), so a floor timed last was the slowest call, and one timed
+    first would be the fastest. `gpu_by_run` has the device's clocks in each call."""
     if args.bare_vllm == "off":
         return {"skipped": "--bare-vllm off"}
     if args.bare_vllm == "auto" and not torch.cuda.is_available():
@@ -574,7 +593,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     flags = {
         "--model": "toy" if args.toy else args.model, "--workdir": work, "--num-prompts": args.num_prompts,
         "--n": args.n, "--prompt-len": args.prompt_len, "--response-len": args.response_len,
-        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": "flatrl_n8_call,flatrl_n8_check2,bare_n8", "--out": out,
+        "--gpu-memory-utilization": args.gpu_memory_utilization, "--runs": BARE_RUNS, "--out": out,
     }  # fmt: skip
     if args.model == "smollm2" or args.toy:
         flags["--model-path"] = model
@@ -586,15 +605,27 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     if p.returncode != 0 or not out.is_file():
         return {"error": f"bench_rollout.py exited {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
     r = json.loads(out.read_text())
-    run, alone = r["runs"]["bare_n8"], r["runs"].get("flatrl_n8_call", {})
+    runs = r["runs"]
+    run = runs["bare_n8"]
+
+    def mean_of(name: str) -> tuple[float | None, list[float]]:  # a run and its `#2` repeat: their mean, each
+        each = [runs[k]["seconds"] for k in (name, f"{name}#2") if k in runs]
+        return (round(statistics.fmean(each), 3) if each else None), each
+
+    gen_s, gen_each = mean_of("bare_n8")
+    alone_s, alone_each = mean_of("flatrl_n8_call")
     return {
-        "gen_s": run["seconds"],
-        "flatrl_generate_s": alone.get("seconds"),
+        "gen_s": gen_s,
+        "gen_s_each": gen_each,  # first and last of the five calls: their ratio is the engine's drift
+        "flatrl_generate_s": alone_s,
+        "flatrl_generate_s_each": alone_each,
         # the same with the push check's logprobs for 2 prompts instead of rollout.logprob_check_prompts (8):
         # what the check's size costs (vLLM's host-side processing of each requested logprob)
         "flatrl_generate_check2_s": r["runs"].get("flatrl_n8_check2", {}).get("seconds"),
-        "tok_per_s": run["tok_per_s"],
+        "tok_per_s": run["tokens"] / gen_s,
         "tokens": run["tokens"],
+        # the SM clock, heat, power and slowed shares during each call (None where NVML is not there)
+        "gpu_by_run": {k: v.get("gpu") for k, v in runs.items()},
         "engine_start_s": r["engine_start_s"],
         "engine": r["engine"],
         "command": cmd,

@@ -21,8 +21,14 @@ Runs (generated tokens / wall seconds of one generate call):
     flatrl_n8_checkK  flatrl_n8_call with logprob_check_prompts=K (e.g. flatrl_n8_check2): the push check's
                       cost by its size; by name only
 
+A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so runs can be interleaved (ABAB) where
+one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
+the one before, 5.40, 5.54, 6.02 s at 0.5B).
+
 Each run's entry: sequences, tokens, seconds, tok_per_s, and `logprobs` (bare: the SamplingParams.logprobs asked;
-flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them).
+flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them), and
+`gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by the power limit or by
+heat during the run (common.clock_summary; None off CUDA or without NVML).
 `ratios` divides tok_per_s of two runs of this one engine (None when one of them did not run).
 
     python bench/bench_rollout.py --model 0.5b --out $OUT/rollout_0.5b.json      # H200: ~3.5 min
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import time
 
 import common
 from common import Clock
@@ -107,21 +114,26 @@ def main(args: argparse.Namespace) -> dict:
     # out of the figures.
     run_flatrl(engine, prompts[:2], 2, 8, False, 1)
     runs = {}
-    for name in args.runs.split(","):
-        if name.startswith("bare"):
-            n = 1 if name == "bare_n1" else args.n
-            runs[name] = run_bare(engine, prompts, n, args.response_len, logprobs=name == "bare_n8_lp")
-        elif name in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request") or name.startswith(
-            "flatrl_n8_check"
-        ):
-            k = -1 if name == "flatrl_n8_all" else args.logprob_check_prompts
-            if name.startswith("flatrl_n8_check"):  # flatrl_n8_call with logprob_check_prompts=K
-                k = int(name.removeprefix("flatrl_n8_check"))
-            per_request = name == "flatrl_n8_request"
-            runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, per_request, k)
-        else:
-            raise ValueError(f"unknown run {name!r}")
-        print(name, runs[name], flush=True)
+    with common.ClockWatch() as clocks:
+        for name in args.runs.split(","):
+            base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
+            t0 = time.perf_counter()
+            if base.startswith("bare"):
+                n = 1 if base == "bare_n1" else args.n
+                runs[name] = run_bare(engine, prompts, n, args.response_len, logprobs=base == "bare_n8_lp")
+            elif base in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request") or base.startswith(
+                "flatrl_n8_check"
+            ):
+                k = -1 if base == "flatrl_n8_all" else args.logprob_check_prompts
+                if base.startswith("flatrl_n8_check"):  # flatrl_n8_call with logprob_check_prompts=K
+                    k = int(base.removeprefix("flatrl_n8_check"))
+                per_request = base == "flatrl_n8_request"
+                runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, per_request, k)
+            else:
+                raise ValueError(f"unknown run {name!r}")
+            # the device's SM clock, heat and power during the run (None off CUDA or without NVML)
+            runs[name]["gpu"] = common.clock_summary(clocks.samples, t0, time.perf_counter())
+            print(name, runs[name], flush=True)
     engine.shutdown()
 
     def ratio(a: str, b: str) -> float | None:

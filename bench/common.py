@@ -211,3 +211,124 @@ def gib(n: float) -> float:
 def now() -> str:
     """UTC time, for file names and logs."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# NVML's clocks-event bits (nvml.h, nvmlClocksEventReason*): the device ran below its top SM clock because of
+# its power limit, or of its temperature.
+POWER_CAP_BITS = 0x4 | 0x80  # software power cap, hardware power brake
+THERMAL_BITS = 0x20 | 0x40 | 0x8  # software thermal slowdown, hardware thermal slowdown, hardware slowdown
+
+
+class GpuClocks:
+    """The device's SM clock (MHz), temperature (C), power draw (W) and clocks-event reasons, read through NVML:
+    nvidia-ml-py's `pynvml` where installed, else the copy vLLM ships (vllm/third_party/pynvml.py, loaded by its
+    path so vLLM itself is not imported). `GpuClocks.open()` is None without either, or without a device.
+    2026-12-06 (01e8306): three generate calls in a row on one engine each took longer than the one before
+    (0.5B 5.40, 5.54, 6.02 s), so a bench that compares runs made one after another needs to know the clocks."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml, self.handle = nvml, handle
+
+    @classmethod
+    def open(cls) -> GpuClocks | None:
+        if not torch.cuda.is_available():
+            return None
+        try:
+            nvml = load_nvml()
+            if nvml is None:
+                return None
+            nvml.nvmlInit()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+            index = int(visible) if visible.isdigit() else 0
+            return cls(nvml, nvml.nvmlDeviceGetHandleByIndex(index))
+        except Exception:  # NVML there but unusable (no driver library): no clocks; the bench still runs
+            return None
+
+    def read(self) -> tuple[float, float, float, int]:
+        """(SM clock MHz, temperature C, power W, clocks-event reasons bitmask) now."""
+        n, h = self.nvml, self.handle
+        # newer bindings name it ClocksEventReasons; the older name stays in both
+        reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = reasons or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        return (
+            float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
+            float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
+            n.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            int(reasons(h)),
+        )
+
+
+def load_nvml() -> Any:
+    """NVML's Python bindings: `pynvml` (nvidia-ml-py) where installed, else vLLM's copy loaded by its file path
+    (vllm/__init__.py, which takes seconds, does not run); None without either."""
+    import importlib.util
+
+    try:
+        import pynvml
+
+        return pynvml
+    except ImportError:
+        pass
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "third_party" / "pynvml.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("flatrl_bench_pynvml", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the module looks itself up there while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def clock_summary(
+    samples: list[tuple[float, float, float, float, int]],
+    start: float = float("-inf"),
+    end: float = float("inf"),
+) -> dict[str, float] | None:
+    """What `samples` of (time, SM MHz, C, W, reasons) say over [start, end]: the mean and lowest SM clock, the
+    hottest reading, the mean power, and the share of samples slowed by the power limit and by heat. None: no
+    sample in the window."""
+    window = [s for s in samples if start <= s[0] <= end]
+    if not window:
+        return None
+    k = len(window)
+    return {
+        "sm_mhz_mean": round(sum(s[1] for s in window) / k, 1),
+        "sm_mhz_min": min(s[1] for s in window),
+        "temp_c_max": max(s[2] for s in window),
+        "power_w_mean": round(sum(s[3] for s in window) / k, 1),
+        "power_capped_share": round(sum(bool(s[4] & POWER_CAP_BITS) for s in window) / k, 3),
+        "thermal_share": round(sum(bool(s[4] & THERMAL_BITS) for s in window) / k, 3),
+        "samples": k,
+    }
+
+
+class ClockWatch:
+    """Reads GpuClocks every `period_s` in a thread: `with ClockWatch() as w: ...; clock_summary(w.samples, a, b)`.
+    Without NVML it samples nothing and every summary is None."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        import threading
+
+        self.period_s, self.samples = period_s, []
+        self.clocks = GpuClocks.open()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while self.clocks is not None and not self.stop.is_set():
+            try:
+                self.samples.append((time.perf_counter(), *self.clocks.read()))
+            except Exception:  # one failed read (a driver hiccup) ends the sampling, not the bench
+                return
+            self.stop.wait(self.period_s)
+
+    def __enter__(self) -> ClockWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()

@@ -88,6 +88,9 @@ def rows(path: str) -> list[list[str]]:
             if bare.get("flatrl_generate_check2_s"):  # the push check on 2 prompts
                 alone += f" ({bare['flatrl_generate_check2_s']:.2f} s checking 2 prompts)"
             shares.insert(1, alone)
+        if len(bare.get("gen_s_each") or []) == 2:  # the interleaved calls: the mean and each call
+            a, b = bare["gen_s_each"]
+            shares.insert(1, f"bare calls {a:.2f} / {b:.2f} s (first / last)")
         src = f" (from {bare['from_file']})" if bare.get("from_file") else ""
         out.append(
             [

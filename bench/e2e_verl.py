@@ -249,23 +249,32 @@ def summarise(rows: list[dict]) -> dict:
 
 
 class DeviceWatch:
-    """Samples the device's used memory (total minus free, every process) every `period_s` in a thread, and the
+    """Samples the device's used memory (total minus free, every process) every `period_s` in a thread, the
+    device's clocks where NVML is there (`clocks`: common.GpuClocks' (time, SM MHz, C, W, reasons)), and the
     time at which each line of a run's metrics file (verl's, grpo.py's; None: none) appears."""
 
     def __init__(self, metrics: Path | None, period_s: float = 0.25) -> None:
         self.metrics, self.period_s = metrics, period_s
         self.samples: list[tuple[float, float]] = []  # (time, GiB used)
+        self.clocks: list[tuple[float, float, float, float, int]] = []
         self.lines: list[float] = []  # time each metrics line was first seen
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
+        import common
         import torch
 
+        gpu = common.GpuClocks.open()
         while not self.stop.is_set():
             free, total = torch.cuda.mem_get_info()
             now = time.perf_counter()
             self.samples.append((now, (total - free) / 2**30))
+            if gpu is not None:
+                try:
+                    self.clocks.append((now, *gpu.read()))
+                except Exception:  # one failed read ends the clocks, not the memory samples
+                    gpu = None
             self.see_lines(now)
             self.stop.wait(self.period_s)
 
@@ -344,6 +353,8 @@ def run(args, model: str, data: str, work: str) -> dict:
     """verl's main_ppo in a subprocess; its metrics and the sampled device memory as bench_e2e's result dict.
     An interruption (bench_e2e's SIGTERM handler, Ctrl-C) stops verl as a timeout does and goes on up, carrying
     the result dict so far as the exception's `result`."""
+    from common import clock_summary
+
     why = available(args)
     if why:
         return {"skipped": why}
@@ -385,6 +396,7 @@ def run(args, model: str, data: str, work: str) -> dict:
         "peak_device_used_gib": watch.peak(first_start, watch.lines[-1]) if watch.lines else watch.peak(),
         "peak_device_used_window": "steps" if watch.lines else "run (no metrics file: parsed the console)",
         "peak_device_used_run_gib": watch.peak(),
+        "gpu": clock_summary(watch.clocks, first_start, watch.lines[-1]) if watch.lines else None,
         "process_wall_s": round(wall, 1),
         "startup_s": round(first_start - t0, 1) if first_start else None,
         "steps_logged": len(rows),

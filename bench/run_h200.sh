@@ -43,9 +43,12 @@
 #   async      (no carry, ~8.5 min)    async at share 0.12 over 6 steps, the engine in this process (one CUDA
 #                                      context: the two sides' kernels interleave) and in its own (two contexts,
 #                                      time-sliced); 4 steps at 001eeb6 fell 14.5, 13.0, 8.7 s
-#   smollm2    (carry .gpu_smol3 .gpu_smol4 .gpu_trl; a call before it copied .gpu_smol1-2 into /tmp/smol_parts,
-#              ~9 min)                 the real SmolLM2-135M: TRL and flatrl, then (unless ASYNC=0) flatrl with async +
-#                                      engine process
+#   smollm2-prep (carry .gpu_smol3 .gpu_smol4 .gpu_trl; a call before it copied .gpu_smol1-2 into /tmp/smol_parts,
+#              ~1 min)                 unpacks the GGUF and dequantizes it into /tmp/real/model
+#   smollm2    (no carry after smollm2-prep, ~9 min: 505 s for the e2e bench alone on an H100, 2026-12-06, so
+#              ASYNC=0 and nothing else in the call)  the real SmolLM2-135M: flatrl, bare vLLM and TRL, then (unless
+#                                      ASYNC=0) flatrl with async + engine process; it converts first where
+#                                      smollm2-prep did not (one call of 577 s at 01e8306: too close to the 600 s cap)
 # The lever parts pass --bare-vllm off (two flatrl runs a call leave no minute for it); defaults, flatrl, 2 and smollm2
 # time it after their first flatrl run.
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
@@ -90,6 +93,13 @@ run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next b
   "$@" || echo "== $name FAILED (exit $?)"
   echo "== $name took $((SECONDS - t0)) s"
 }
+
+if { [ "$part" = smollm2-prep ] || [ "$part" = smollm2 ]; } && [ ! -f /tmp/real/model/config.json ]; then
+  mkdir -p /tmp/smol_parts && cp .gpu_smol[1-4]/* /tmp/smol_parts/ 2>/dev/null  # whichever parts this call carried
+  run smollm2-unpack bash scripts/smollm2_payload.sh unpack
+  run smollm2-convert python3 scripts/get_smollm2.py \
+    --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
+fi
 
 if [ "$part" = 1 ]; then
   run attention python3 bench/bench_attention.py --model 0.5b --workdir "$WORK" --out "$OUT/attention.json"
@@ -232,17 +242,15 @@ elif [ "$part" = async ]; then
   run e2e-async6-engine-process python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off \
     "${peers_from[@]}" --gpu-memory-utilization 0.12 --async-steps 1 --engine-process --steps 6 \
     --out "$OUT/e2e_async6_engine_process.json"
+elif [ "$part" = smollm2-prep ]; then
+  :  # the conversion above is all of it
 elif [ "$part" = smollm2 ]; then
-  mkdir -p /tmp/smol_parts && cp .gpu_smol[1-4]/* /tmp/smol_parts/ 2>/dev/null  # whichever parts this call carried
-  run smollm2-unpack bash scripts/smollm2_payload.sh unpack
-  run smollm2-convert python3 scripts/get_smollm2.py \
-    --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
   run e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --peers trl --out "$OUT/e2e_smollm2.json"
   keep e2e_smollm2.json
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|levers|levers2|levers3|fused|share|async|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -53,7 +53,7 @@ def test_bench_attention(tmp_path, work):
 @pytest.mark.slow
 def test_bench_rollout(tmp_path, work):
     default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
-    r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + ",flatrl_n8_check1")
+    r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + ",flatrl_n8_check1,bare_n8#2")
     runs = r["runs"]
     assert set(runs) == {
         "bare_n1",
@@ -62,7 +62,11 @@ def test_bench_rollout(tmp_path, work):
         "flatrl_n8_call",
         "flatrl_n8_all",
         "flatrl_n8_check1",
+        "bare_n8#2",
     }
+    # `#2`: bare_n8 again, its own call and entry; no device clocks on the CPU
+    assert runs["bare_n8#2"]["tokens"] == 4 * 2 * 16 and runs["bare_n8#2"]["logprobs"] is None
+    assert all(v["gpu"] is None for v in runs.values())
     # by name: the push check's logprobs for 1 prompt (n=2) instead of --logprob-check-prompts
     assert runs["flatrl_n8_check1"]["logprobs"] == {"logprob_check_prompts": 1, "samples_with_logprobs": 2}
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
@@ -291,3 +295,6 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
     path.write_text(json.dumps(d))
     alone = e2e_table.rows(str(path))[-1][-1].split("; ")[1]
     assert alone == "flatrl's engine.generate alone 7.50 s (7.25 s checking 2 prompts)"
+    d["bare_vllm"]["gen_s_each"] = [6.5, 7.5]  # the interleaved bare calls, since 01e8306's drift
+    path.write_text(json.dumps(d))
+    assert e2e_table.rows(str(path))[-1][-1].split("; ")[1] == "bare calls 6.50 / 7.50 s (first / last)"

