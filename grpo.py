@@ -801,7 +801,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 if remax:  # scored after the samples, in the same thread
                     baseline_scores = rl.score_in_background(run, baselines, prompts)
                 if ahead is None:
-                    engine.sleep()  # frees the KV cache (and weights) for the trainer
+                    with timer("sleep"):  # frees the KV cache (and weights) for the trainer
+                        engine.sleep()
                 # 4. logprob passes
                 check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
                 if old_pass:

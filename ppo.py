@@ -389,7 +389,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                 with timer("gen"):
                     samples, prompts = rl.generate(run, engine, prompts, mine, step)
                 scores = rl.score_in_background(run, samples, prompts)  # beside the sleep and the passes
-                engine.sleep()
+                with timer("sleep"):  # frees the KV cache (and weights) for the trainer
+                    engine.sleep()
                 check = actor.PushCheck(device)
                 if not (one_step and train_actor):  # a warm-up step has no actor update to check the push
                     with timer("old_logprob"):

@@ -35,6 +35,8 @@
 #   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --use-fused-kernels
 #                                      --token-budget 65536 --fused-adamw --checkpoint-layers auto, then
 #                                      --compile-layers; ratios against the defaults part's TRL of this machine
+#                                      (MODEL=smollm2: the real model and the smollm2 part's TRL; LoRA + compiled
+#                                      layers are checked on CPU by tests/test_compile_layers.py)
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
@@ -82,6 +84,11 @@ MODEL=${MODEL:-0.5b}
 # on this machine, for ratios.
 peers_from=()
 [ -f "$WORK/json/e2e_defaults_$MODEL.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_$MODEL.json")
+path_args=()  # MODEL=smollm2: the real model the smollm2 part converted, and its TRL figures from that part
+if [ "$MODEL" = smollm2 ]; then
+  path_args=(--model-path /tmp/real/model)
+  [ -f "$WORK/json/e2e_smollm2.json" ] && peers_from=(--peers-from "$WORK/json/e2e_smollm2.json")
+fi
 keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
   mkdir -p "$WORK/json" && [ -f "$OUT/$1" ] && cp "$OUT/$1" "$WORK/json/"
 }
@@ -207,11 +214,11 @@ elif [ "$part" = fast ]; then  # the update levers together, then compiled alone
   # [T, V] logits), which leaves room for 65,536-token micro-batches (a quarter of the micro-batches, of the
   # host's per-micro-batch work); fused AdamW (no sqrt(v) buffer at the step, 1.5B's peak); and auto checkpointing
   # in the room those leave
-  run e2e-levers python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
-    "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
+  run e2e-levers python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
     --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL.json"
-  run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl --bare-vllm off \
-    "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
+  run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
   run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
