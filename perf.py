@@ -24,6 +24,9 @@ attention term; `perf/update_tokens_per_s` is those tokens / seconds / world siz
 boundary and folded into each open phase) and `_device_used_gb` (total minus free at the phase's end, which
 also sees memory outside torch's allocator: the CUDA context, NCCL, vLLM's non-torch buffers).
 
+With `watch_gc` (rl.step_timer) it also gives the garbage collector's pauses per phase, `perf/gc/<phase>_s`, and
+the step's full collections, `perf/gc/full_collections` (PhaseGC).
+
 `plan(cfg)` is the memory preflight (`--trainer.plan`): per phase (gen, old_logprob, update, sync) the bytes of
 the trainer's parameters, gradients, optimizer state, reference model, activations and logits, and the
 engine's weights and KV cache, estimated from the model's config.json and the run's settings, next to the
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -186,25 +191,79 @@ def peaks_text(metrics: dict[str, float]) -> str:
     return f"peak allocated GiB: {peaks}" if peaks else "no CUDA device (memory not tracked)"
 
 
+class PhaseGC:
+    """The Python garbage collector's pauses per phase: `perf/gc/<phase>_s` (seconds of collections that ended
+    while the phase was open, from any thread) and `perf/gc/full_collections` (generation 2). vLLM's in-process
+    engine makes many short-lived objects each decode step in the trainer's process, whose heap (the model, the
+    data) a full collection walks: the generation phase's distance from a bare engine's may be here.
+    Hooks itself into gc.callbacks until `close()`."""
+
+    def __init__(self) -> None:
+        self.open: list[str] = []
+        self.seconds: dict[str, float] = {}
+        self.full = 0
+        self.started: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        if self.started is None:
+            return
+        paused, self.started = time.perf_counter() - self.started, None
+        for name in self.open:
+            self.seconds[name] += paused
+        self.full += info.get("generation") == 2
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.seconds.setdefault(name, 0.0)
+        self.open.append(name)
+        try:
+            yield
+        finally:
+            self.open.remove(name)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def pop(self) -> dict[str, float]:
+        out = {f"perf/gc/{name}_s": s for name, s in self.seconds.items()}
+        out["perf/gc/full_collections"] = float(self.full)
+        self.seconds, self.full = {}, 0
+        return out
+
+
 class PhaseTimer(log.Timer):
-    """log.Timer that also records each phase's CUDA memory (PhaseMemory); `pop()` returns both.
+    """log.Timer that also records each phase's CUDA memory (PhaseMemory), and with `watch_gc` the garbage
+    collector's pauses in it (PhaseGC; `close()` unhooks it); `pop()` returns them all.
 
     explain: called with a phase's name, a context manager wrapped around that phase (rl.step_timer's turns an
     out-of-memory error into one naming the phase and the flags to lower)."""
 
-    def __init__(self, sync: Any = None, explain: Callable[[str], Any] | None = None) -> None:
+    def __init__(
+        self, sync: Any = None, explain: Callable[[str], Any] | None = None, watch_gc: bool = False
+    ) -> None:
         super().__init__(sync=sync)
         self.memory = PhaseMemory()
+        self.gc = PhaseGC() if watch_gc else None
         self.explain = explain
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         explained = self.explain(name) if self.explain is not None else nullcontext()
-        with self.memory(name), super().__call__(name), explained:
+        collected = self.gc(name) if self.gc is not None else nullcontext()
+        with self.memory(name), collected, super().__call__(name), explained:
             yield
 
+    def close(self) -> None:
+        if self.gc is not None:
+            self.gc.close()
+
     def pop(self) -> dict[str, float]:
-        return super().pop() | self.memory.pop()
+        return super().pop() | self.memory.pop() | (self.gc.pop() if self.gc is not None else {})
 
 
 def update_metrics(

@@ -651,13 +651,18 @@ def push_and_validate_first(
 def step_timer(cfg: Any) -> Iterator[log.Timer]:
     """A fresh per-phase timer for one step: `with timer("update"): ...` records the phase's time (waiting for
     queued GPU work before each clock read) and CUDA memory (perf.PhaseTimer), and turns an out-of-memory error
-    in it into one that names the phase and the flags to lower (oom). The block's own time is timing_s/step."""
+    in it into one that names the phase and the flags to lower (oom), and the garbage collector's pauses in each
+    phase (perf/gc/*). The block's own time is timing_s/step."""
     t = perf.PhaseTimer(
         sync=torch.cuda.synchronize if torch.cuda.is_available() else None,
         explain=lambda name: oom(name, cfg),
+        watch_gc=True,
     )
-    with t("step"):
-        yield t
+    try:
+        with t("step"):
+            yield t
+    finally:
+        t.close()  # the collector's hook goes; what it measured stays for finish_step's pop
 
 
 def rollout_metrics(samples: list[actor.Sample], n: int) -> dict[str, float]:

@@ -117,6 +117,9 @@ def test_bench_e2e(tmp_path, work):
     assert "error" not in f, f.get("tail")
     assert f["step_s"] > 0 and f["samples_per_hour"] > 0 and len(f["steps_s"]) == 2
     assert f["logprob_diff_mean"] < 1e-3 and f["mfu"] > 0  # grpo.py logs perf/mfu
+    # the collector's pauses by phase (perf/gc/*): every phase of the step has one, and none exceeds the step's
+    assert {"gen", "sleep", "update", "sync", "step"} <= set(f["gc_s_by_phase"])
+    assert max(f["gc_s_by_phase"].values()) == f["gc_s_by_phase"]["step"] and f["gc_full_collections"] >= 0
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
 
 

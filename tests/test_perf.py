@@ -192,6 +192,31 @@ def test_phase_timer_adds_up_and_pops_memory_metrics_only_on_cuda():
     assert t.pop() == {}
 
 
+def test_phase_timer_charges_the_collectors_pauses_to_the_open_phases():
+    """watch_gc: a full collection inside `gen` is charged to gen and to the enclosing step, not to `update`,
+    and counted; after close() the hook is gone and later collections count nowhere."""
+    import gc
+
+    t = perf.PhaseTimer(watch_gc=True)
+    with t("step"):
+        with t("gen"):
+            junk = [[i] for i in range(200_000)]
+            for a, b in zip(junk, junk[1:], strict=False):
+                a.append(b)  # a long chain the collector must walk
+            gc.collect()
+            gc.collect()
+            del junk
+        with t("update"):
+            pass
+    t.close()
+    gc.collect()  # after close: not seen
+    out = t.pop()
+    assert out["perf/gc/gen_s"] > 0.0 and out["perf/gc/update_s"] == 0.0
+    assert out["perf/gc/step_s"] >= out["perf/gc/gen_s"] and out["perf/gc/full_collections"] >= 2.0
+    assert t.gc._callback not in gc.callbacks
+    assert t.pop()["perf/gc/full_collections"] == 0.0  # popped: counters cleared
+
+
 # ------------------------------------------------------------------------------------ padding-free path
 
 
