@@ -148,7 +148,7 @@ class PhaseMemory:
         """Charges the peak since the last reset to every open phase, then resets the counters."""
         allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         for name in self.open:
-            p = self.peaks.setdefault(name, [0.0, 0.0, 0.0])
+            p = self.peaks.setdefault(name, [0.0, 0.0, 0.0, 0.0])
             p[0], p[1] = max(p[0], allocated), max(p[1], reserved)
         torch.cuda.reset_peak_memory_stats()
 
@@ -166,17 +166,41 @@ class PhaseMemory:
             self.open.remove(name)
             free, total = torch.cuda.mem_get_info()
             p = self.peaks[name]
-            p[2] = max(p[2], total - free)
+            if total - free >= p[2]:  # the device's use at the phase's end, and torch's share of it then
+                p[2], p[3] = total - free, torch.cuda.memory_reserved()
 
     def pop(self) -> dict[str, float]:
-        """perf/memory/<phase>_{peak_allocated,peak_reserved,device_used}_gb since the last pop; clears them."""
+        """perf/memory/<phase>_{peak_allocated,peak_reserved,device_used,reserved_end}_gb since the last pop;
+        clears them. reserved_end: torch's reserved memory at the end that device_used was read at (with a sleeping
+        vLLM engine it still counts the engine's released pool: `device_ledger`)."""
         out = {}
-        for name, (allocated, reserved, used) in self.peaks.items():
+        for name, (allocated, reserved, used, reserved_end) in self.peaks.items():
             out[f"perf/memory/{name}_peak_allocated_gb"] = allocated / GIB
             out[f"perf/memory/{name}_peak_reserved_gb"] = reserved / GIB
             out[f"perf/memory/{name}_device_used_gb"] = used / GIB
+            out[f"perf/memory/{name}_reserved_end_gb"] = reserved_end / GIB
         self.peaks.clear()
         return out
+
+
+def device_ledger(mark: str) -> str | None:
+    """One line on the device's memory at a point of the run's set-up (rl.start, rl.make_engine), None on CPU:
+    what the device has in use (total minus free: every process's, the CUDA context and memory outside torch's
+    allocator included), torch's reserved and allocated memory, and the difference of the first two, the memory
+    outside torch's allocator (the CUDA context, NCCL, cuBLAS handles, CUDA graphs' own memory, what vLLM maps
+    itself). The engine's start shows what it adds outside its gpu_memory_utilization budget.
+
+        memory at engine started: device used 29.14 GiB, torch reserved 24.80 (allocated 24.50), outside torch 4.34
+    """
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    used, reserved = (total - free) / GIB, torch.cuda.memory_reserved() / GIB
+    allocated = torch.cuda.memory_allocated() / GIB
+    return (
+        f"memory at {mark}: device used {used:.2f} GiB, torch reserved {reserved:.2f} (allocated {allocated:.2f}), "
+        f"outside torch {used - reserved:.2f}"
+    )
 
 
 def peaks_text(metrics: dict[str, float]) -> str:

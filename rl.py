@@ -231,6 +231,8 @@ def start(cfg: Any) -> Run:
 
     cfg = hf_model_paths(cfg)
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
+    if (line := perf.device_ledger("the process group's start")) is not None:
+        fsdp.print0(line)  # the CUDA context and what the process group holds, before any model
     fsdp.stop_at_step_boundary_on_sigterm()
     cfg, said = perf.resolve_auto_checkpointing(cfg, d.world_size)
     for line in said:
@@ -341,8 +343,10 @@ def oom(what: str, cfg: Any) -> contextlib.AbstractContextManager:
 
 def make_engine(cfg: Any, run: Run) -> rollout.Engine:
     """This rank's rollout engine on model.path (its weights are replaced by the first push)."""
+    if (line := perf.device_ledger("the engine's start (the trainer's models built)")) is not None:
+        fsdp.print0(line)
     with oom("rollout engine start", cfg):
-        return rollout.make_engine(
+        engine = rollout.make_engine(
             cfg.rollout,
             os.path.expanduser(cfg.model.path),
             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -350,6 +354,9 @@ def make_engine(cfg: Any, run: Run) -> rollout.Engine:
             world_size=run.dist.world_size,
             hf_overrides=cfg.model.override_config,
         )
+    if (line := perf.device_ledger("engine started")) is not None:
+        fsdp.print0(line)
+    return engine
 
 
 Components = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None, dict]]

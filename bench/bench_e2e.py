@@ -76,6 +76,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -222,8 +223,14 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     # --async-steps 1: the background generation's own time (its exposed part is phases_s["gen_wait"])
     ahead = [r["perf/gen_ahead_s"] for r in rows[1:] if r.get("perf/gen_ahead_s") is not None]
     memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
+    outside = {}  # phase -> the most device memory outside torch's reserved at the phase's end, GiB
     for r in rows:
         for k, v in r.items():
+            if k.startswith("perf/memory/") and k.endswith("_reserved_end_gb") and v is not None:
+                name = k.removeprefix("perf/memory/").removesuffix("_reserved_end_gb")
+                used = r.get(f"perf/memory/{name}_device_used_gb")
+                if used is not None:
+                    outside[name] = round(max(outside.get(name, -1e9), used - v), 3)
             for what in ("peak_allocated", "peak_reserved", "device_used"):
                 if k.startswith("perf/memory/") and k.endswith(f"_{what}_gb") and v is not None:
                     m = memory.setdefault(k.removeprefix("perf/memory/").removesuffix(f"_{what}_gb"), {})
@@ -237,6 +244,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "peak_device_used_gib": peak("_device_used_gb") if torch.cuda.is_available() else None,
         "logprob_diff_mean": rows[-1].get("rollout/logprob_diff_mean"), "process_wall_s": round(wall, 1),
         "memory_by_phase_gib": memory, "plan_by_phase_gib": plan_by_phase(args, model), **sampled,
+        # with a sleeping engine torch's reserved still counts the engine's released pool: then negative
+        "outside_torch_by_phase_gib": outside, "memory_log": memory_log(p.stdout + p.stderr),
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
         "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
@@ -250,6 +259,18 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
             engine_in_process=not args.engine_process,
         )
     return out
+
+
+MEMORY_LOG = re.compile(
+    r"memory at |Model loading took|KV cache memory|Graph capturing finished|Sleep mode freed|CuMemAllocator|"
+    r"Memory profiling|non-torch"
+)
+
+
+def memory_log(console: str, limit: int = 40) -> list[str]:
+    """The lines of a grpo.py console that say where the device's memory went: perf.device_ledger's at the set-up's
+    points and vLLM's own (weights, KV cache, CUDA graphs, what each sleep freed), first `limit` of them."""
+    return [line.strip()[-300:] for line in console.splitlines() if MEMORY_LOG.search(line)][:limit]
 
 
 def plan_check(

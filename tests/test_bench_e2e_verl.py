@@ -466,3 +466,19 @@ def test_a_stalled_run_says_where_each_process_waits_and_leaves_none_running(tmp
     assert stall["signalled_pids"] == 2
     assert stall["last_console_line"] == "reward loop manager initialized" and stall["silent_s"] > 2
     assert not e2e_verl.alive(pids["parent"]) and not e2e_verl.alive(pids["daemon"])
+
+
+def test_memory_log_keeps_the_ledger_and_vllms_memory_lines():
+    console = "\n".join(
+        [
+            "step:1 - reward/mean:0.5",
+            "memory at engine started: device used 29.14 GiB, torch reserved 24.80 (allocated 24.50), outside torch 4.34",
+            "INFO 12-06 14:06:01 [model_runner.py:302] Model loading took 0.28 GiB and 1.51 seconds",
+            "INFO 12-06 14:06:27 [gpu_worker.py:508] Available KV cache memory: 23.07 GiB",
+            "INFO [gpu_worker.py:181] Sleep mode freed 23.54 GiB memory, 4.05 GiB memory is still in use.",
+            "rollout: vLLM engine ready",
+        ]
+    )
+    lines = bench_e2e.memory_log(console)
+    assert len(lines) == 4 and lines[0].startswith("memory at engine started") and "23.07 GiB" in lines[2]
+    assert bench_e2e.memory_log(console, limit=1) == lines[:1]

@@ -192,6 +192,36 @@ def test_phase_timer_adds_up_and_pops_memory_metrics_only_on_cuda():
     assert t.pop() == {}
 
 
+def test_phase_memory_and_the_ledger_read_the_memory_outside_torch(monkeypatch):
+    """A stand-in CUDA memory API: the device's use at a phase's end is paired with torch's reserved memory at that
+    same end (the largest of the phase's two ends), and device_ledger's line subtracts the two."""
+    G = perf.GIB
+    state = {"used": 0, "reserved": 0, "allocated": 0}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (80 * G - state["used"], 80 * G))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda *a: state["reserved"])
+    monkeypatch.setattr(cuda, "memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *a: None)
+    mem = perf.PhaseMemory()
+    for used, reserved in ((29 * G, 24 * G), (5 * G, 24 * G)):  # awake, then the engine released its pool
+        state["used"], state["reserved"], state["allocated"] = used, reserved, reserved - G
+        with mem("gen"):
+            pass
+    out = mem.pop()
+    assert out["perf/memory/gen_device_used_gb"] == 29.0 and out["perf/memory/gen_reserved_end_gb"] == 24.0
+    assert out["perf/memory/gen_peak_allocated_gb"] == 23.0
+    state["used"], state["reserved"], state["allocated"] = int(6.5 * G), 2 * G, G
+    line = perf.device_ledger("engine started")
+    assert line == (
+        "memory at engine started: device used 6.50 GiB, torch reserved 2.00 (allocated 1.00), outside torch 4.50"
+    )
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    assert perf.device_ledger("x") is None
+
+
 def test_phase_timer_charges_the_collectors_pauses_to_the_open_phases():
     """watch_gc: a full collection inside `gen` is charged to gen and to the enclosing step, not to `update`,
     and counted; after close() the hook is gone and later collections count nowhere."""
