@@ -37,6 +37,9 @@
 #                                      --compile-layers; ratios against the defaults part's TRL of this machine
 #                                      (MODEL=smollm2: the real model and the smollm2 part's TRL; LoRA + compiled
 #                                      layers are checked on CPU by tests/test_compile_layers.py)
+#   best       (no carry, ~4 min est.)  flatrl alone at $MODEL with fast's update levers and async rollouts (the
+#                                      engine in its own process, its share SHARE: 0.12, 0.2 at 1.5b), 6 steps; CPU
+#                                      toy size: 129 s (bench/README.md's next runs)
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
@@ -219,6 +222,16 @@ elif [ "$part" = fast ]; then  # the update levers together, then compiled alone
     --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL.json"
   run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
     --bare-vllm off "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
+elif [ "$part" = best ]; then  # every lever at once at $MODEL: fast's update levers, and the next step's rollouts
+  # generated while this one trains (async, the engine in its own process: compiled layers and an in-process
+  # engine generating ahead do not mix), the engine's share sized to its KV cache (it never sleeps, so its share
+  # sits beside the update: 512 x 768 tokens of KV are 4.8 GB at 0.5b, 11 GB at 1.5b); 6 steps, as async's steps
+  # settle after the first few (001eeb6: 14.5, 13.0, 8.7 s)
+  case $MODEL in 1.5b) share=0.2 ;; *) share=0.12 ;; esac
+  run e2e-best python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
+    --checkpoint-layers auto --async-steps 1 --engine-process --gpu-memory-utilization "${SHARE:-$share}" --steps 6 \
+    --out "$OUT/e2e_best_$MODEL.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
   run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
@@ -258,6 +271,6 @@ elif [ "$part" = smollm2 ]; then
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|best|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
