@@ -4,6 +4,8 @@ data.pack_batch(mask_dtype=None)) against the padded layout; CUDA-only checks ar
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,6 +120,45 @@ def test_plan_numbers_for_qwen2_5_0_5b(tmp_path):
     awake = perf.plan(cfg, world_size=1, device_total=140 * GiB).phases["update"]
     assert awake["engine asleep"] == 0.5 * 140 * GiB
     assert sum(awake.values()) - sum(up.values()) == 0.5 * 140 * GiB - perf.ENGINE_ASLEEP_BYTES
+
+
+def test_plan_counts_loras_own_parameters_in_the_gradients_and_the_optimizer(tmp_path):
+    """With LoRA the backward fills and AdamW holds the adapters alone: rank x (fan-in + fan-out) of each module
+    target_modules names and exclude_modules leaves, counted by hand for SmolLM2-135M's shape."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    shape = perf.model_shape(str(tmp_path))
+    P = shape.params
+    q = o = 32 * (576 + 576)
+    k = v = 32 * (576 + 192)
+    gate = up = down = 32 * (576 + 1536)
+    per_layer = q + k + v + o + gate + up + down
+    lora_cfg = functools.partial(actor.ModelConfig, path=str(tmp_path), lora_rank=32)
+    assert perf.lora_params(shape, lora_cfg()) == 30 * per_layer == 9_768_960
+    assert perf.lora_params(shape, lora_cfg(target_modules=["q_proj", "v_proj"])) == 30 * (q + v)
+    # a regex exclusion (PEFT's fullmatch) leaves layer 0 out, a list one leaves every MLP down projection out
+    assert perf.lora_params(shape, lora_cfg(exclude_modules=r".*layers\.0\..*")) == 29 * per_layer
+    assert perf.lora_params(shape, lora_cfg(exclude_modules=["down_proj"])) == 30 * (per_layer - down)
+    assert perf.lora_params(shape, actor.ModelConfig(path=str(tmp_path))) == 0
+    cfg = _plan_cfg(str(tmp_path))
+    cfg.model = lora_cfg(
+        enable_gradient_checkpointing=False, fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=False)
+    )
+    up_phase = perf.plan(cfg, world_size=1, device_total=80 * 2**30).phases["update"]
+    T = 9_768_960
+    assert (up_phase["params"], up_phase["grads"], up_phase["optimizer"]) == (4 * (P + T), 4 * T, 8 * T)
+    # a saved adapter gives its own rank and modules
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    )
+    saved = actor.ModelConfig(path=str(tmp_path), lora_adapter_path=str(adapter))
+    assert perf.lora_params(shape, saved) == 30 * 8 * (576 + 576)
 
 
 def test_plan_keeps_an_offloaded_state_out_of_the_update_when_it_is_one_optimizer_step(tmp_path):
