@@ -10,7 +10,9 @@ verl's `gen`, TRL's `vLLM.generate` (TRL times no trainer phase of its own that 
 the step less generation for all three). With `--async-steps 1` flatrl's generation runs beside the update, and
 the column holds its exposed part: `gen` plus `gen_wait`, the time the step waited for it. Where the file has bare
 vLLM's generation of one step (bench_e2e.py --bare-vllm), a last row gives it, flatrl's generation against it, flatrl's
-engine.generate alone on that engine where the file has it, and its share of each framework's step.
+engine.generate alone on that engine where the file has it, and its share of each framework's step. Below the
+table, for each file whose flatrl run has them (since edec20c): the device memory outside torch's allocator at
+each phase's end, and the `memory at ...` lines of grpo.py's set-up with vLLM's own memory lines.
 """
 
 from __future__ import annotations
@@ -117,7 +119,29 @@ def table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def memory_notes(paths: list[str]) -> str:
+    """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
+    outside_torch_by_phase_gib, memory_log), one block a file; empty when none has them."""
+    blocks = []
+    for p in paths:
+        f = json.loads(Path(p).read_text()).get("flatrl") or {}
+        outside, log = f.get("outside_torch_by_phase_gib") or {}, f.get("memory_log") or []
+        if not (outside or log):
+            continue
+        lines = [f"{Path(p).stem}, flatrl:"]
+        if outside:  # negative where the sleeping engine's released pool still counts in torch's reserved
+            lines.append(
+                "  outside torch's allocator at each phase's end (GiB): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in outside.items())
+            )
+        lines += [f"  {line}" for line in log]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python3 bench/e2e_table.py E2E_JSON...")
     print(table(sys.argv[1:]))
+    if notes := memory_notes(sys.argv[1:]):
+        print("\n" + notes)

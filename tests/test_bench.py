@@ -303,3 +303,24 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
     d["bare_vllm"]["gen_s_each"] = [6.5, 7.5]  # the interleaved bare calls, since 01e8306's drift
     path.write_text(json.dumps(d))
     assert e2e_table.rows(str(path))[-1][-1].split("; ")[1] == "bare calls 6.50 / 7.50 s (first / last)"
+
+
+def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
+    """Below the table: each file's flatrl memory outside torch's allocator by phase and its memory lines; a file
+    from before they were kept gives nothing."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_table
+
+    old = ROOT / "bench" / "results" / "e2e_smollm2_h100_f8597ea.json"
+    assert e2e_table.memory_notes([str(old)]) == ""
+    d = json.loads(old.read_text())
+    d["flatrl"]["outside_torch_by_phase_gib"] = {"gen": 4.29, "sleep": -19.62}
+    d["flatrl"]["memory_log"] = ["memory at engine started: device used 29.14 GiB, torch reserved 24.80"]
+    path = tmp_path / "e2e_new.json"
+    path.write_text(json.dumps(d))
+    notes = e2e_table.memory_notes([str(old), str(path)]).splitlines()
+    assert notes == [
+        "e2e_new, flatrl:",
+        "  outside torch's allocator at each phase's end (GiB): gen 4.29, sleep -19.62",
+        "  memory at engine started: device used 29.14 GiB, torch reserved 24.80",
+    ]
