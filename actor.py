@@ -72,16 +72,18 @@ class ModelConfig:
     their gradient are never held (9.3 GiB at 16,384 tokens and Qwen's 151,936 ids), and the backward recomputes
     each chunk's logits (about 9% more FLOPs at 0.5B). Exact against the plain head on CPU; not yet measured on a
     GPU. Refused for heads that scale or cap their logits."""
-    compile_layers: bool = False
+    compile_layers: Literal["auto"] | bool = "auto"
     """torch.compile each decoder layer's forward (dynamic shapes: the layers and the micro-batch lengths share
     their compiled graphs): fuses the per-layer elementwise work (norms, rotary, activation, dtype casts) that the
     host issues op by op, which bounds the update at small sizes on a fast GPU (bench/README.md). FSDP2's hooks
     and the activation recomputation stay outside the compiled code, and parameter names do not change. The
-    first micro-batches pay the compilation. On CPU the graphs are captured (aot_eager) but nothing is fused.
-    Not with Ulysses sequence parallelism, nor beside an in-process engine generating ahead (rollout.async_steps=1
-    needs rollout.engine_process=true: tracing a layer patches module calls process-wide, and vLLM's sampler in
-    the other thread fails). Measured at 0.5B on an H100 (bench/README.md, ecfbe9a): the checkpointed update
-    1.46x the tokens/s of eager (MFU 0.17 -> 0.25), and grpo.py's step 0.94x, with the first step 18 s longer."""
+    first micro-batches pay the compilation (18-76 s more in the first step on an H100). auto (the default): on
+    with a CUDA device, off on CPU (aot_eager there captures the graphs but fuses nothing), with Ulysses sequence
+    parallelism, and beside an in-process engine generating ahead (grpo.py's rollout.async_steps=1 without
+    rollout.engine_process=true: tracing a layer patches module calls process-wide, and vLLM's sampler in the
+    other thread fails); true there is refused. Measured on H100s (bench/README.md): at 0.5B the checkpointed
+    update 1.46x the tokens/s of eager (MFU 0.17 -> 0.25) and grpo.py's step 0.94x (ecfbe9a); on SmolLM2-135M
+    with LoRA the update 0.75x and the step 0.91x of eager (f8597ea)."""
     lora_rank: Annotated[int, config.NON_NEGATIVE] = 0
     """LoRA rank; 0 trains all weights. With LoRA the reference policy is the base model (adapters off) and
     the engine receives the merged weights."""
@@ -113,7 +115,7 @@ class ModelConfig:
         return self.lora_rank > 0 or self.lora_adapter_path is not None
 
     def __post_init__(self) -> None:
-        if self.compile_layers and self.fsdp_config.ulysses_sequence_parallel_size > 1:
+        if self.compile_layers is True and self.fsdp_config.ulysses_sequence_parallel_size > 1:
             raise ValueError(
                 "model.compile_layers does not go with fsdp_config.ulysses_sequence_parallel_size > 1 (the "
                 "all-to-alls inside each layer are not compiled); set one of them off"
@@ -233,9 +235,22 @@ def load(
         fsdp.print0("critic.model.use_fused_kernels is ignored: a value head has no vocabulary to fuse")
     elif cfg.use_fused_kernels:
         losses.fuse_lm_head(model)
-    if cfg.compile_layers:
+    if compiles(cfg):
+        if cfg.compile_layers == "auto":
+            fsdp.print0(
+                "model.compile_layers=auto: the decoder layers compile (inductor) in the first steps; "
+                "model.compile_layers=false runs them eager"
+            )
         fsdp.compile_layers(model)
     return fsdp.shard_model(model, device, cfg.fsdp_config), hf_files
+
+
+def compiles(cfg: ModelConfig) -> bool:
+    """What model.compile_layers comes to: true and false as they are; auto, on with a CUDA device and without
+    Ulysses sequence parallelism (grpo.py turns it off beside an in-process engine generating ahead)."""
+    if cfg.compile_layers == "auto":
+        return torch.cuda.is_available() and cfg.fsdp_config.ulysses_sequence_parallel_size == 1
+    return bool(cfg.compile_layers)
 
 
 def load_reference(cfg: ModelConfig, policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -686,6 +686,27 @@ def filtered_rollouts(
 # --------------------------------------------------------------------------------------------- loop
 
 
+def compile_layers_beside_async(cfg: GRPOConfig) -> GRPOConfig:
+    """cfg with model.compile_layers=auto off where rollouts are generated ahead in this process (one line says so
+    where it would have compiled); true there is refused: tracing a compiled layer patches module calls
+    process-wide, and vLLM's sampler, decoding in this process's other thread, then fails ('FX to symbolically
+    trace a dynamo-optimized function'; H100, 2026-12-05). rollout.engine_process=true keeps them apart."""
+    if not (cfg.model.compile_layers and cfg.rollout.async_steps and not cfg.rollout.engine_process):
+        return cfg
+    if cfg.model.compile_layers is True:
+        raise SystemExit(
+            "error: model.compile_layers with rollout.async_steps=1 needs rollout.engine_process=true: compiling a "
+            "layer traces modules process-wide, and vLLM's sampler, decoding in this process's other thread, then "
+            "fails ('FX to symbolically trace a dynamo-optimized function'; H100, 2026-12-05)"
+        )
+    if actor.compiles(cfg.model):
+        fsdp.print0(
+            "model.compile_layers=auto: off, as rollout.async_steps=1 decodes in this process's other thread "
+            "(rollout.engine_process=true keeps it on)"
+        )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile_layers=False))
+
+
 def main(cfg: GRPOConfig) -> dict[str, float]:
     """Trains; returns the final metrics (val/reward/mean before and after, the last step's metrics)."""
     alg = cfg.algorithm
@@ -711,12 +732,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             f"actor.policy_loss.loss_mode={a.policy_loss.loss_mode} averages its policy term per sequence "
             "(seq-mean-token-mean), as verl does"
         )
-    if cfg.model.compile_layers and cfg.rollout.async_steps and not cfg.rollout.engine_process:
-        raise SystemExit(
-            "error: model.compile_layers with rollout.async_steps=1 needs rollout.engine_process=true: compiling a "
-            "layer traces modules process-wide, and vLLM's sampler, decoding in this process's other thread, then "
-            "fails ('FX to symbolically trace a dynamo-optimized function'; H100, 2026-12-05)"
-        )
+    cfg = compile_layers_beside_async(cfg)
     otb = alg.adv_estimator == "optimal_token_baseline"
     if otb and (cfg.model.use_fused_kernels or alg.rollout_bypass):
         which = "model.use_fused_kernels" if cfg.model.use_fused_kernels else "algorithm.rollout_bypass"

@@ -859,7 +859,7 @@ FLATRL_ONLY = {
     "--no-expandable-segments": lambda a: not a.expandable_segments,
     "--engine-process": lambda a: a.engine_process,
     "--use-fused-kernels": lambda a: a.use_fused_kernels,
-    "--compile-layers": lambda a: a.compile_layers,
+    "--[no-]compile-layers": lambda a: a.compile_layers != "auto",
     "--fused-adamw": lambda a: a.fused_adamw,
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
@@ -960,8 +960,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile-layers",
-        action="store_true",
-        help="flatrl with model.compile_layers: each decoder layer's forward through torch.compile (inductor)",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="flatrl with model.compile_layers=true: each decoder layer's forward through torch.compile (inductor); "
+        "the default is flatrl's, auto (compiled with a CUDA device)",
+    )
+    p.add_argument(
+        "--no-compile-layers",
+        dest="compile_layers",
+        action="store_const",
+        const=False,
+        help="flatrl with model.compile_layers=false: eager layers (flatrl's default until 2026-12-06)",
     )
     p.add_argument(
         "--fused-adamw",

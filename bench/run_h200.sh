@@ -34,7 +34,8 @@
 #                                      (checkpointed), then flatrl alone end to end with --compile-layers
 #   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --use-fused-kernels
 #                                      --token-budget 65536 --fused-adamw --checkpoint-layers auto, then
-#                                      --compile-layers; ratios against the defaults part's TRL of this machine
+#                                      --no-compile-layers (eager: the defaults compile since 2026-12-06); ratios
+#                                      against the defaults part's TRL of this machine
 #                                      (MODEL=smollm2: the real model and the smollm2 part's TRL; LoRA + compiled
 #                                      layers are checked on CPU by tests/test_compile_layers.py)
 #   best       (no carry, ~4 min est.)  flatrl alone at $MODEL with fast's update levers and async rollouts (the
@@ -220,8 +221,9 @@ elif [ "$part" = fast ]; then  # the update levers together, then compiled alone
   run e2e-levers python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
     --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
     --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL.json"
-  run e2e-compiled python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
-    --bare-vllm off "${peers_from[@]}" --compile-layers --out "$OUT/e2e_compiled_$MODEL.json"
+  # the defaults compile the layers since 2026-12-06 (model.compile_layers=auto): eager, for what that default buys
+  run e2e-eager python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --no-compile-layers --out "$OUT/e2e_eager_$MODEL.json"
 elif [ "$part" = best ]; then  # every lever at once at $MODEL: fast's update levers, and the next step's rollouts
   # generated while this one trains (async, the engine in its own process: compiled layers and an in-process
   # engine generating ahead do not mix), the engine's share sized to its KV cache (it never sleeps, so its share

@@ -113,3 +113,22 @@ def test_a_failing_compiler_leaves_every_layer_eager_with_one_line(tiny_qwen2, o
     assert len(tries) == 1
     lines = [x for x in capsys.readouterr().out.splitlines() if "model.compile_layers" in x]
     assert len(lines) == 1 and "no triton here" in lines[0] and "run eager from here on" in lines[0], lines
+
+
+def test_compile_layers_auto_is_on_with_a_cuda_device_only(monkeypatch):
+    """The default, auto: compiled with a CUDA device, eager on CPU and with Ulysses SP (where true is refused);
+    true and false as they are; the three spellings parse from a command line."""
+    import config
+    import fsdp
+    import grpo
+
+    cfg = actor.ModelConfig()
+    assert cfg.compile_layers == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not actor.compiles(cfg) and actor.compiles(actor.ModelConfig(compile_layers=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert actor.compiles(cfg) and not actor.compiles(actor.ModelConfig(compile_layers=False))
+    sp = actor.ModelConfig(fsdp_config=fsdp.FSDPConfig(ulysses_sequence_parallel_size=2))
+    assert not actor.compiles(sp)
+    for text, want in (("auto", "auto"), ("true", True), ("false", False)):
+        assert config.parse(grpo.GRPOConfig, [f"model.compile_layers={text}"]).model.compile_layers == want

@@ -99,7 +99,7 @@ def test_a_key_some_responses_lack_counts_as_zero(one_rank, toy_dir, tmp_path):
     assert max(r["rollout/num_gen_batches"] for r in rows) > 1
 
 
-def test_verl_dapo_keys_and_async_refused(capsys):
+def test_verl_dapo_keys_and_async_refused(capsys, monkeypatch):
     """The DAPO recipe's keys load in grpo.py (gen_batch_size and max_inflight_gen_batches said ignored, with why);
     with rollout.async_steps=1 the filter is refused before anything loads."""
     args = [
@@ -120,6 +120,14 @@ def test_verl_dapo_keys_and_async_refused(capsys):
         SystemExit, match="model.compile_layers with rollout.async_steps=1 needs rollout.engine_process"
     ):
         grpo.main(cfg)
+    # the default, auto, turns itself off there instead, saying so where it would have compiled (a CUDA device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = config.parse(grpo.GRPOConfig, ["rollout.async_steps=1"])
+    assert cfg.model.compile_layers == "auto"
+    assert grpo.compile_layers_beside_async(cfg).model.compile_layers is False
+    assert "model.compile_layers=auto: off, as rollout.async_steps=1" in capsys.readouterr().out
+    apart = config.parse(grpo.GRPOConfig, ["rollout.async_steps=1", "rollout.engine_process=true"])
+    assert grpo.compile_layers_beside_async(apart) is apart
 
 
 def test_two_ranks_fill_both_shares(toy_dir, tmp_path):
