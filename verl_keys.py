@@ -286,7 +286,12 @@ RL_ACTOR: dict[str, Rule] = {
     "loss_scale_factor": Only((None,), "the loss is normalised as actor.loss_agg_mode says"),
     "calculate_entropy": Ignore("the entropy is always logged (actor/entropy)"),
     "use_prefix_grouper": Ignore(SPEED),
-    "use_torch_compile": Ignore(SPEED),
+    "use_torch_compile": Map(
+        "model.compile_layers",
+        convert=lambda v: "auto" if v else False,
+        why="false turns torch.compile off, as in verl: flatrl's compiled decoder layers too (true keeps auto, on "
+        "with a CUDA device)",
+    ),
     "use_fused_kernels": Ignore(SPEED),
     "shuffle": Ignore(MB_IN_ORDER),
     "data_loader_seed": Ignore(MB_IN_ORDER),

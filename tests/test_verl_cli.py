@@ -463,6 +463,22 @@ def test_verl_fused_kernels_reach_the_policy_only(capsys):
     assert "ignored: critic.model.use_fused_kernels=True" in err  # model.* keys move silently, as named
 
 
+def test_verl_use_torch_compile_false_turns_the_compiled_layers_off(capsys):
+    """actor_rollout_ref.actor.use_torch_compile=false (no torch.compile, as a verl user means it) gives eager
+    decoder layers; true keeps flatrl's default, auto; each said mapped on stderr."""
+    off = config.parse(grpo.GRPOConfig, ["actor_rollout_ref.actor.use_torch_compile=False"])
+    assert off.model.compile_layers is False
+    on = config.parse(grpo.GRPOConfig, ["actor_rollout_ref.actor.use_torch_compile=true"])
+    assert on.model.compile_layers == "auto" == grpo.GRPOConfig().model.compile_layers
+    assert (
+        config.parse(ppo.PPOConfig, ["actor_rollout_ref.actor.use_torch_compile=false"]).model.compile_layers
+        is False
+    )
+    assert (
+        "mapped: actor_rollout_ref.actor.use_torch_compile -> model.compile_layers" in capsys.readouterr().err
+    )
+
+
 def test_verl_fused_optimizer_reaches_each_optimizer(capsys):
     """verl's optim.override_optimizer_config.fused (its optimizer's kwargs) turns on torch's fused AdamW for the
     policy and the critic; any other kwarg is refused naming the key, as before."""
