@@ -132,6 +132,18 @@ def _parse_targets(target_modules: str | Sequence[str]) -> list[str] | None:
     return targets
 
 
+def _named(name: str, suffix: str) -> bool:
+    """PEFT's module match: the dotted name is `suffix` or ends in `.suffix`."""
+    return name == suffix or name.endswith("." + suffix)
+
+
+def targeted(name: str, targets: list[str] | None, exclude_modules: str | Sequence[str] | None) -> bool:
+    """Whether apply_lora wraps the linear module `name`: targets (from _parse_targets, None for all-linear) name
+    it and exclude_modules leaves it."""
+    chosen = targets is None or any(_named(name, t) for t in targets)
+    return chosen and not _excluded(name, exclude_modules)
+
+
 def _excluded(name: str, exclude_modules: str | Sequence[str] | None) -> bool:
     """PEFT's exclude_modules rule (tuners_utils.check_target_module_exists, verl's check_exclude_modules): a string
     is a regex the whole module name must match (re.fullmatch), a list holds names or name suffixes."""
@@ -139,7 +151,7 @@ def _excluded(name: str, exclude_modules: str | Sequence[str] | None) -> bool:
         return False
     if isinstance(exclude_modules, str):
         return re.fullmatch(exclude_modules, name) is not None
-    return any(name == e or name.endswith("." + e) for e in exclude_modules)
+    return any(_named(name, e) for e in exclude_modules)
 
 
 def apply_lora(
@@ -185,7 +197,7 @@ def apply_lora(
     if targets is None:
         chosen = linear
     else:
-        chosen = [(n, m) for n, m in linear if any(n == t or n.endswith("." + t) for t in targets)]
+        chosen = [(n, m) for n, m in linear if any(_named(n, t) for t in targets)]
     if not chosen:
         avail = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
         raise ValueError(
@@ -334,7 +346,7 @@ def save_adapter(
         raise ValueError("state_dict has no lora_A/lora_B weights; was apply_lora called?")
     paths, targets = list(_lora_pairs(state_dict)), _parse_targets(target_modules)
     if targets is not None:  # record only the suffixes that wrapped something
-        targets = sorted(t for t in targets if any(p == t or p.endswith("." + t) for p in paths))
+        targets = sorted(t for t in targets if any(_named(p, t) for p in paths))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

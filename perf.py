@@ -136,14 +136,12 @@ def lora_params(shape: ModelShape, model_cfg: Any) -> int:
         "self_attn.o_proj": dq + H, "mlp.gate_proj": H + inter, "mlp.up_proj": H + inter, "mlp.down_proj": inter + H,
     }  # fmt: skip
     wanted = lora._parse_targets(targets)  # None: all-linear
-    total = 0
-    for i in range(shape.layers):
-        for suffix, fans in maps.items():
-            name = f"model.layers.{i}.{suffix}"
-            chosen = wanted is None or any(name == t or name.endswith("." + t) for t in wanted)
-            if chosen and not lora._excluded(name, exclude):
-                total += rank * fans
-    return total
+    return sum(
+        rank * fans
+        for i in range(shape.layers)
+        for suffix, fans in maps.items()
+        if lora.targeted(f"model.layers.{i}.{suffix}", wanted, exclude)
+    )
 
 
 def train_flops_per_token(shape: ModelShape) -> float:

@@ -231,8 +231,7 @@ def start(cfg: Any) -> Run:
 
     cfg = hf_model_paths(cfg)
     d = fsdp.init_distributed(cfg.trainer.timeout_s)
-    if (line := perf.device_ledger("the process group's start")) is not None:
-        fsdp.print0(line)  # the CUDA context and what the process group holds, before any model
+    ledger("the process group's start")  # the CUDA context and what the process group holds, before any model
     fsdp.stop_at_step_boundary_on_sigterm()
     cfg, said = perf.resolve_auto_checkpointing(cfg, d.world_size)
     for line in said:
@@ -341,10 +340,15 @@ def oom(what: str, cfg: Any) -> contextlib.AbstractContextManager:
     )
 
 
+def ledger(mark: str) -> None:
+    """Prints perf.device_ledger's line for this point of the set-up (CUDA only)."""
+    if (line := perf.device_ledger(mark)) is not None:
+        fsdp.print0(line)
+
+
 def make_engine(cfg: Any, run: Run) -> rollout.Engine:
     """This rank's rollout engine on model.path (its weights are replaced by the first push)."""
-    if (line := perf.device_ledger("the engine's start (the trainer's models built)")) is not None:
-        fsdp.print0(line)
+    ledger("the engine's start (the trainer's models built)")
     with oom("rollout engine start", cfg):
         engine = rollout.make_engine(
             cfg.rollout,
@@ -354,8 +358,7 @@ def make_engine(cfg: Any, run: Run) -> rollout.Engine:
             world_size=run.dist.world_size,
             hf_overrides=cfg.model.override_config,
         )
-    if (line := perf.device_ledger("engine started")) is not None:
-        fsdp.print0(line)
+    ledger("engine started")
     return engine
 
 
