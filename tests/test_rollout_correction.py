@@ -407,7 +407,13 @@ def test_bypass_on_the_toy_skips_the_old_logprob_pass(
         algorithm=algorithm,
         rollout_kw={"logprob_check_prompts": -1},
     )
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, ppo_mini_batch_size=mini_batch))
+    # eager layers as the hf engine's copy: compiled ones (model.compile_layers=auto on CUDA) fuse the norms and
+    # round bf16 otherwise, 7-8e-4 nats a token from the engine on an H100 at 71b1a5f, where this asks < 1e-4
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, compile_layers=False),
+        actor=dataclasses.replace(cfg.actor, ppo_mini_batch_size=mini_batch),
+    )
     grpo.main(cfg)
     rows = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
     assert len(rows) == 2 and seen == [True, True], (len(rows), seen)
