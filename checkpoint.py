@@ -247,7 +247,7 @@ def save_checkpoint(
         raise _no_space(run_dir, needed, free)
     if rank == 0:
         tmp.mkdir(parents=True)
-    dist.barrier()
+    fsdp.barrier()
     try:
         for prefix, (m_sd, opt_sd) in state_dicts.items():
             base = tmp / prefix if prefix else tmp
@@ -270,7 +270,7 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; give the space back now
             raise _no_space(run_dir, needed, free) from e
         raise
-    dist.barrier()
+    fsdp.barrier()
     if rank == 0:
         # Written last, once every rank's files are closed: sizes to check a later resume against.
         sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
@@ -281,7 +281,7 @@ def save_checkpoint(
         if keep_last is not None:
             for old in list_checkpoints(run_dir)[:-keep_last]:
                 _remove_checkpoint(old)
-    dist.barrier()
+    fsdp.barrier()
     return final
 
 

@@ -108,11 +108,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float = 600.0) -> Dist:
+def init_distributed(timeout_s: float = 600.0, bind_device: bool = False) -> Dist:
     """Joins (or, without torchrun, creates) the default process group. Safe to call twice in one process.
 
     Args:
         timeout_s: collective timeout; a rank that dies makes the others fail after this long instead of hanging.
+        bind_device: on CUDA, bind the group to this rank's device (init_process_group's device_id): NCCL starts
+            at once, and so does every group made later in the process (torch splits each from this one), vLLM's
+            own groups in an in-process engine included (12 more groups at world size 1, 6 of them NCCL, which
+            vLLM never uses at tensor-parallel size 1). The default, False, starts a group's NCCL communicator at
+            its first collective. Why: an in-process engine's start added 2.56 GiB outside torch's allocator to
+            the device at 0.5B (H100, 71b1a5f), where an engine in its own process, whose groups are not bound,
+            added 0.64 GiB beyond its share, its own CUDA context included; bench/probe_memory.py (run_h200.sh
+            `ledger`) measures the two side by side.
     Returns:
         Dist with rank, world size, local rank and the device this rank computes on.
     """
@@ -131,10 +139,19 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
         dist.init_process_group(
             backend,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if device.type == "cuda" and bind_device else None,
         )
         _timeout_s = timeout_s
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def barrier() -> None:
+    """dist.barrier on this rank's device: the default group is not bound to it (init_distributed), and NCCL's
+    barrier would otherwise guess the device, with a warning."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 _stop_signal = 0  # the signal that asked this process to stop at the next step boundary (0: none)
@@ -244,7 +261,7 @@ def close_distributed(finished: bool) -> None:
         return
     if finished:
         if dist.get_world_size() > 1:
-            dist.barrier()
+            barrier()
         gc.collect()  # FSDP modules are reference cycles: a dropped model holds its group until collected
         for obj in gc.get_objects():  # DeviceMesh has no registry of instances; the sweep takes ~0.2 s
             if isinstance(obj, DeviceMesh):

@@ -41,6 +41,9 @@
 #   best       (no carry, ~4 min est.)  flatrl alone at $MODEL with fast's update levers and async rollouts (the
 #                                      engine in its own process, its share SHARE: 0.12, 0.2 at 1.5b), 6 steps; CPU
 #                                      toy size: 129 s (bench/README.md's next runs)
+#   ledger     (no carry, ~2 min est.) bench/probe_memory.py at $MODEL: the memory outside torch's allocator after each
+#                                      piece of grpo.py's set-up (context, NCCL groups, cuBLAS, vLLM's start, sleep),
+#                                      with the trainer's process group (lazy NCCL), bound to the device, and none
 #   levers2    (no carry, ~7.5 min)    flatrl alone at 0.5b: --no-offload-optimizer; --no-expandable-segments
 #   fused      (no carry, ~7.5 min)    flatrl alone at 0.5b: --use-fused-kernels, with every layer and with auto checkpointing
 #   share      (no carry, ~5 min)      the defaults and async at vLLM's share 0.12 instead of 0.3
@@ -234,6 +237,15 @@ elif [ "$part" = best ]; then  # every lever at once at $MODEL: fast's update le
     --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
     --checkpoint-layers auto --async-steps 1 --engine-process --gpu-memory-utilization "${SHARE:-$share}" --steps 6 \
     --out "$OUT/e2e_best_$MODEL.json"
+elif [ "$part" = ledger ]; then  # the 4.3 GiB outside torch's allocator, piece by piece (bench/probe_memory.py):
+  # grpo.py's set-up with the trainer's process group (lazy NCCL, grpo.py's since 2026-12-06), the same bound to the
+  # device (before: every later group's NCCL communicator, vLLM's too, starts at once), then no process group
+  run probe-memory-$MODEL python3 bench/probe_memory.py --model "$MODEL" --workdir "$WORK" \
+    --out "$OUT/probe_memory_$MODEL.json"
+  run probe-memory-bound-$MODEL python3 bench/probe_memory.py --model "$MODEL" --workdir "$WORK" --bind-device \
+    --out "$OUT/probe_memory_bound_$MODEL.json"
+  run probe-memory-nopg-$MODEL python3 bench/probe_memory.py --model "$MODEL" --workdir "$WORK" --no-process-group \
+    --out "$OUT/probe_memory_nopg_$MODEL.json"
 elif [ "$part" = levers2 ]; then  # what the memory defaults cost: each one off
   run e2e-no-offload python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --no-offload-optimizer --out "$OUT/e2e_no_offload.json"
@@ -273,6 +285,6 @@ elif [ "$part" = smollm2 ]; then
   [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
     --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|best|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

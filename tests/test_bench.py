@@ -163,6 +163,26 @@ def assert_bench_tokenizer(r: dict) -> None:
     assert r["sampled"] > 64  # every id the model can sample decodes to text
 
 
+def test_probe_memory_marks_each_piece_of_the_set_up(tmp_path, work):
+    """The probe's marks come in the set-up's order, and the process groups it counts are the ones it made: the
+    trainer's default group, then a second one (vLLM's groups add to this count on a GPU); without a process
+    group none. On CPU the memory figures are absent rather than zero."""
+    r = run_bench("probe_memory.py", tmp_path, work)
+    groups = {m["mark"]: m["process_groups"] for m in r["marks"]}
+    assert list(groups) == [
+        "cuda context", "process group", "first all_reduce", "second group", "bf16 matmul",
+        "engine started", "generated", "engine asleep", "engine awake",
+    ]  # fmt: skip
+    assert groups["cuda context"] == 0 and groups["process group"] == 1 and groups["second group"] == 2
+    assert groups["engine awake"] == 2 and not any("device_used_gib" in m for m in r["marks"])
+    # bound to the device: the same groups (on CUDA each NCCL communicator then starts at once)
+    bound = run_bench("probe_memory.py", tmp_path, work, "--bind-device")
+    assert [(m["mark"], m["process_groups"]) for m in bound["marks"]] == list(groups.items())
+    alone = run_bench("probe_memory.py", tmp_path, work, "--no-process-group")
+    assert [m["mark"] for m in alone["marks"]][:2] == ["cuda context", "bf16 matmul"]
+    assert all(m["process_groups"] == 0 for m in alone["marks"])
+
+
 def test_bench_tokenizer(tmp_path):
     assert_bench_tokenizer(check_tokenizer(tmp_path / "m", "write"))
 
