@@ -347,31 +347,48 @@ CUDA_CONTEXT_BYTES = int(0.6 * GIB)
 """The CUDA context and library handles outside torch's allocator: an estimate."""
 
 
-def activation_bytes_per_token(shape: ModelShape, checkpointed_layers: int, recompute: bool = True) -> float:
+COMPILED_LAYER_SHARE = 0.66
+"""What a compiled decoder layer (model.compile_layers) keeps for backward, as a share of the eager count below:
+inductor's partitioner recomputes the norms, SiLU and the products in the backward instead of saving them.
+Measured on CPU with saved-tensor hooks over one bf16 Qwen2 layer (sdpa, 512 tokens): 38,976 bytes a token at
+the 0.5B shape and 70,712 at 1.5B, against 57,664 and 103,992 eager (0.676, 0.680), and 0.659 and 0.664 of the
+hand count (59,136 and 106,496)."""
+
+
+def activation_bytes_per_token(
+    shape: ModelShape, checkpointed_layers: int, recompute: bool = True, compiled: bool = False
+) -> float:
     """Activations a training forward keeps for backward, bytes per token, bf16 compute (FSDP mixed precision),
     with `checkpointed_layers` of the decoder layers recomputing theirs (0: none; shape.layers: all).
 
     Per layer: two RMSNorms (fp32 input copy 4H, bf16 input 2H, bf16 output 2H each: 16H), q/k/v/o and the
     attention kernel's saved q, k, v, output and their contiguous copies (6 Dq + 4 Dkv), the gated MLP (gate,
     SiLU output, up, product: 8I). A checkpointed layer keeps only its input (2H), and one layer's full set is
-    alive during its recomputation (left out with recompute=False). Counted by hand from transformers' Qwen2
-    modules.
+    alive during its recomputation (left out with recompute=False; counted eager even when `compiled`, as it
+    stands for the layer's backward, whose temporaries the compiled one makes too). Counted by hand from
+    transformers' Qwen2 modules; a layer that is not checkpointed keeps COMPILED_LAYER_SHARE of it when
+    `compiled`.
     """
     dq, dkv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_layer = 16 * shape.hidden + 6 * dq + 4 * dkv + 8 * shape.intermediate
     k = min(checkpointed_layers, shape.layers)
-    return (shape.layers - k) * per_layer + k * 2 * shape.hidden + (per_layer if k and recompute else 0)
+    kept = per_layer * (COMPILED_LAYER_SHARE if compiled else 1.0)
+    return (shape.layers - k) * kept + k * 2 * shape.hidden + (per_layer if k and recompute else 0)
 
 
 def update_bytes(
-    shape: ModelShape, checkpointed_layers: int, tokens: float, fused: bool = False
+    shape: ModelShape, checkpointed_layers: int, tokens: float, fused: bool = False, compiled: bool = False
 ) -> dict[str, float]:
     """A policy update's micro-batch of `tokens` (bytes): the activations kept for backward, the training logits
-    and the logprob kernel's workspace, and the recomputed layer's full set where it exceeds those two. The
-    recomputation and the logits never meet: backward frees the logits and their gradient at the lm_head, before
-    it recomputes the last checkpointed layer (tests/test_bench_e2e_verl.py checks the plan against four H200 runs)."""
-    saved = activation_bytes_per_token(shape, checkpointed_layers, recompute=False) * tokens
-    layer = activation_bytes_per_token(shape, checkpointed_layers) * tokens - saved
+    and the logprob kernel's workspace, and the recomputed layer's full set where it exceeds those. The
+    recomputation meets neither the logits (backward frees them and their gradient at the lm_head first) nor the
+    layers that are not checkpointed (fsdp.load_model checkpoints the first layers, so the backward is through the
+    others before it recomputes one): only the checkpointed layers' inputs (tests/test_bench_e2e_verl.py checks the
+    plan against the GPU runs). `compiled`: model.compile_layers (COMPILED_LAYER_SHARE)."""
+    k = checkpointed_layers
+    saved = activation_bytes_per_token(shape, k, recompute=False, compiled=compiled) * tokens
+    layer = activation_bytes_per_token(shape, k, compiled=compiled) * tokens - saved
+    inputs = min(k, shape.layers) * 2 * shape.hidden * tokens
     logits, kernel = logits_bytes_per_token(shape, True) * tokens, kernel_workspace_bytes(shape)
     # model.use_fused_kernels: no logits; the head's weight gradient builds up in one fp32 [V, H] buffer
     if fused:
@@ -380,7 +397,7 @@ def update_bytes(
         "activations": saved,
         "logits": logits,
         "kernel": kernel,
-        "recomputed layer": max(0.0, layer - logits - kernel),
+        "recomputed layer": max(0.0, inputs + layer - saved - logits - kernel),
     }
 
 
@@ -464,8 +481,10 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
                          the backward's share)
     unsharded            bf16 copies FSDP gathers: the root (embedding, norm) 2(VH + H) and two layers
                          (one computing, one prefetched) 2 * 2 * layer params
-    update               + update_bytes: activations kept for backward, training logits, kernel workspace, and
-                         the recomputed layer's full set beyond the logits (the two are never alive together);
+    update               + update_bytes: activations kept for backward (a whole layer's COMPILED_LAYER_SHARE
+                         of the eager count with compiled layers), training logits, kernel workspace, and the
+                         recomputed layer's full set beyond the logits and the whole layers' activations (none
+                         of them alive at its recomputation);
                          model.use_fused_kernels: no logits, an fp32 [V, H] weight-gradient buffer instead;
                          with Ulysses SP (fsdp_config.ulysses_sequence_parallel_size) a rank holds 1/SP of a
                          micro-batch's tokens, so its activations and logits are divided by SP (sp.py); a token
@@ -510,7 +529,7 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
     fused = getattr(cfg.model, "use_fused_kernels", False)
-    tail = update_bytes(shape, ckpt, T, fused)
+    tail = update_bytes(shape, ckpt, T, fused, _compiles(cfg.model))
     # Offloaded and one optimizer step an update: the state comes back at that step, after the last backward, so it
     # never meets the activations and logits. The step itself holds the state and foreach AdamW's sqrt(v) buffer
     # (one more copy of a moment's size); it sets the update's peak where those exceed what the backward held on top
@@ -569,6 +588,15 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
 
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _compiles(model_cfg: Any) -> bool:
+    """Whether the policy's decoder layers run compiled (actor.compiles; False for a config without the key)."""
+    if getattr(model_cfg, "compile_layers", False) is False:
+        return False
+    import actor  # the plan's own imports stay light: actor loads transformers' models
+
+    return actor.compiles(model_cfg)
 
 
 def _one_step(cfg: Any) -> bool:

@@ -380,6 +380,7 @@ def plan_by_phase(
             lora_rank=args.lora["rank"] if args.lora else 0,
             fsdp_config=fsdp.FSDPConfig(offload_optimizer_in_rollout=args.offload_optimizer),
             use_fused_kernels=args.use_fused_kernels,
+            compile_layers=getattr(args, "compile_layers", "auto"),
         ),
         actor=actor.ActorConfig(
             use_dynamic_bsz=True,
