@@ -35,6 +35,9 @@
 #   fast       (no carry, ~6 min est. at 0.5b) flatrl alone at $MODEL: --compile-layers --use-fused-kernels
 #                                      --token-budget 65536 --fused-adamw --checkpoint-layers auto, then
 #                                      --no-compile-layers (eager: the defaults compile since 2026-12-06); ratios
+#                                      (TOKENS=16384: the levers' micro-batches at that budget, where the plan's
+#                                      auto leaves every 0.5B layer whole since compiled layers count 0.66;
+#                                      EAGER=0 skips the eager run)
 #                                      against the defaults part's TRL of this machine
 #                                      (MODEL=smollm2: the real model and the smollm2 part's TRL; LoRA + compiled
 #                                      layers are checked on CPU by tests/test_compile_layers.py)
@@ -222,10 +225,10 @@ elif [ "$part" = fast ]; then  # the update levers together, then compiled alone
   # host's per-micro-batch work); fused AdamW (no sqrt(v) buffer at the step, 1.5B's peak); and auto checkpointing
   # in the room those leave
   run e2e-levers python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
-    --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget 65536 --fused-adamw \
-    --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL.json"
+    --bare-vllm off "${peers_from[@]}" --compile-layers --use-fused-kernels --token-budget "${TOKENS:-65536}" --fused-adamw \
+    --checkpoint-layers auto --out "$OUT/e2e_levers_$MODEL${TOKENS:+_$TOKENS}.json"
   # the defaults compile the layers since 2026-12-06 (model.compile_layers=auto): eager, for what that default buys
-  run e2e-eager python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+  [ "${EAGER:-1}" = 0 ] || run e2e-eager python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
     --bare-vllm off "${peers_from[@]}" --no-compile-layers --out "$OUT/e2e_eager_$MODEL.json"
 elif [ "$part" = best ]; then  # every lever at once at $MODEL: fast's update levers, and the next step's rollouts
   # generated while this one trains (async, the engine in its own process: compiled layers and an in-process
