@@ -263,13 +263,14 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
 
 MEMORY_LOG = re.compile(
     r"memory at |Model loading took|KV cache memory|Graph capturing finished|Sleep mode freed|CuMemAllocator|"
-    r"Memory profiling|non-torch"
+    r"Memory profiling|non-torch|gradient_checkpointing_layers=auto:"
 )
 
 
 def memory_log(console: str, limit: int = 40) -> list[str]:
     """The lines of a grpo.py console that say where the device's memory went: perf.device_ledger's at the set-up's
-    points and vLLM's own (weights, KV cache, CUDA graphs, what each sleep freed), first `limit` of them."""
+    points, vLLM's own (weights, KV cache, CUDA graphs, what each sleep freed) and what auto checkpointing came to,
+    first `limit` of them."""
     return [line.strip()[-300:] for line in console.splitlines() if MEMORY_LOG.search(line)][:limit]
 
 

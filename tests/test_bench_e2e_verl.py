@@ -505,10 +505,12 @@ def test_memory_log_keeps_the_ledger_and_vllms_memory_lines():
             "INFO 12-06 14:06:27 [gpu_worker.py:508] Available KV cache memory: 23.07 GiB",
             "INFO [gpu_worker.py:181] Sleep mode freed 23.54 GiB memory, 4.05 GiB memory is still in use.",
             "rollout: vLLM engine ready",
+            "model.gradient_checkpointing_layers=auto: 21 of 24 layers recompute (update planned at 22.3 GiB ...)",
         ]
     )
     lines = bench_e2e.memory_log(console)
-    assert len(lines) == 4 and lines[0].startswith("memory at engine started") and "23.07 GiB" in lines[2]
+    assert len(lines) == 5 and lines[0].startswith("memory at engine started") and "23.07 GiB" in lines[2]
+    assert "21 of 24 layers recompute" in lines[4]
     assert bench_e2e.memory_log(console, limit=1) == lines[:1]
 
 
