@@ -529,7 +529,10 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
     base = {"cuda context": CUDA_CONTEXT_BYTES, "params": params, "reference": ref}
     workspace = kernel_workspace_bytes(shape)
     fused = getattr(cfg.model, "use_fused_kernels", False)
-    tail = update_bytes(shape, ckpt, T, fused, _compiles(cfg.model))
+    import actor  # not at the top: perf stays importable without transformers' models
+
+    compiled = getattr(cfg.model, "compile_layers", False) is not False and actor.compiles(cfg.model)
+    tail = update_bytes(shape, ckpt, T, fused, compiled)
     # Offloaded and one optimizer step an update: the state comes back at that step, after the last backward, so it
     # never meets the activations and logits. The step itself holds the state and foreach AdamW's sqrt(v) buffer
     # (one more copy of a moment's size); it sets the update's peak where those exceed what the backward held on top
@@ -588,15 +591,6 @@ def _plan_phases(cfg: Any, shape: ModelShape, world_size: int, device_total: flo
 
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _compiles(model_cfg: Any) -> bool:
-    """Whether the policy's decoder layers run compiled (actor.compiles; False for a config without the key)."""
-    if getattr(model_cfg, "compile_layers", False) is False:
-        return False
-    import actor  # the plan's own imports stay light: actor loads transformers' models
-
-    return actor.compiles(model_cfg)
 
 
 def _one_step(cfg: Any) -> bool:
