@@ -809,6 +809,13 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                         samples, prompts = rl.generate(run, engine, prompts, mine, step)
                     else:  # generated during the last step (one update old), or now at the first
                         samples, prompts = ahead.take(step)
+                pushed = {}
+                if ahead is not None and ahead.stale:  # the engine runs this step's weights: a short response
+                    with timer("push_check"):  # checks the last push, before the batch ahead takes the engine
+                        probe, probe_check = ahead.probe(prompts[0], step), actor.PushCheck(run.dist.device)
+                        actor.compute_logprobs(policy, probe, cfg.actor, run.layout, temperature, probe_check)
+                        pushed = probe_check.result(cfg.rollout.logprob_diff_tol, step)
+                        pushed = {k: v for k, v in pushed.items() if k.startswith("rollout/")}
                 if ahead is not None and step + 1 < run.total_steps:
                     # the next step's rollouts, with these weights, while this step trains
                     ahead.start(step + 1)
@@ -865,8 +872,8 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     )
                     batch = (samples, len(prompts), cfg.actor, run.layout)
                     metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn, on_empty=on_empty)
-                stale = ahead is not None and ahead.stale  # nothing to check: the batch is one update old
-                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale)
+                stale = ahead is not None and ahead.stale  # the batch is one update old: the probe checked
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale) | pushed
                 metrics["rollout/staleness"] = float(stale)
                 metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                 scheduler.step()

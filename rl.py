@@ -519,6 +519,18 @@ class RolloutAhead:
         out, self.future, self.position, self.stale = self.future.result(), None, None, True
         return out
 
+    PROBE_TOKENS = 32
+
+    def probe(self, prompt: dict, step: int) -> list[actor.Sample]:
+        """One response of at most PROBE_TOKENS tokens to `prompt` from the engine's weights now, which the trainer
+        holds too until its update: grpo.py checks the last push with it where the step's batch is one update old
+        (the engine's logprobs of that batch come from weights the trainer no longer has)."""
+        cfg = self.run.cfg
+        sampling = dataclasses.replace(cfg.rollout.train_sampling, n=1)
+        seed = rollout_seed(cfg.rollout.seed, step, self.run.dist.rank, round_=-1)
+        tokens = min(cfg.data.max_response_length, self.PROBE_TOKENS)
+        return sample(self.engine, [prompt], sampling, tokens, seed)
+
     def start(self, step: int) -> None:
         """Draws step `step`'s prompts and starts generating their rollouts in the background."""
         self.position = self.run.sampler.state_dict()

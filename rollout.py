@@ -176,7 +176,8 @@ class RolloutConfig:
     push waits for them. The engine then never sleeps (it must fit beside the update: lower
     gpu_memory_utilization), old logprobs come from the trainer's current weights as in any step, and
     algorithm.rollout_is_threshold corrects for the stale sampler with the engine's logprobs. The push check runs
-    on the first step only (later batches come from weights one update old). tensor_model_parallel_size 1 only;
+    on the first step's batch, and later on one short response (rl.RolloutAhead.PROBE_TOKENS) generated with
+    the step's weights before the batch ahead starts (the batches come from weights one update old). tensor_model_parallel_size 1 only;
     pays where generation leaves the GPU idle (host-bound decoding: small models), with engine_process=True so
     the engine's Python does not share this process's interpreter lock. At 0.5B on an H200, with
     engine_process=True and gpu_memory_utilization 0.12: 0.83x the defaults' step in the same run (bench/README.md)."""

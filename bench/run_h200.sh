@@ -153,8 +153,8 @@ elif [ "$part" = gpu-tests ]; then
   run gpu-tests python3 -m pytest -q -rs -m gpu tests/ -k "not sleep_wake"
   # CPU tests whose engine and trainer run in bf16 on CUDA: the two-mini-batch toy failed there twice (2026-12-06)
   run toy-correction python3 -m pytest -q -rA tests/test_rollout_correction.py -k toy
-  # rollout.engine_process's push through the CUDA IPC buffer: the async `best` runs push this way every step, but
-  # their check is skipped on one-step-old batches and trivially passes on the first (the disk's weights)
+  # rollout.engine_process's push through the CUDA IPC buffer: the async `best` runs push this way every step (at
+  # 71b1a5f unchecked past the first step; grpo.py's probe checks each push since)
   run engine-process-push python3 -m pytest -q -rA tests/test_rollout.py -k engine_process_push
   for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
     run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"

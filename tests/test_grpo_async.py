@@ -44,7 +44,7 @@ def test_async_rollouts_come_from_the_weights_one_update_old(one_rank, toy_dir, 
     """Step 2's rollouts of an async run are token for token those of a run whose weights never move (lr 0: every
     batch from the initial weights), while a synchronous run's step 2 differs from both (it samples from the
     updated weights); step 1 is the same in all three. Steps 2-3 log staleness 1 and the one-update policy
-    difference instead of the push check."""
+    difference, and their push check from a short response generated with their own weights."""
     frozen = _run(toy_dir, tmp_path / "frozen", monkeypatch, async_steps=0, lr=1e-12)
     sync = _run(toy_dir, tmp_path / "sync", monkeypatch, async_steps=0, lr=5e-2)
     ahead = _run(toy_dir, tmp_path / "async", monkeypatch, async_steps=1, lr=5e-2)
@@ -57,10 +57,34 @@ def test_async_rollouts_come_from_the_weights_one_update_old(one_rank, toy_dir, 
     assert "rollout/logprob_diff_mean" in ahead["rows"][0]  # the push check, on the fresh first batch
     assert ahead["rows"][0]["rollout/logprob_diff_mean"] < 1e-4
     for r in ahead["rows"][1:]:
-        assert "rollout/logprob_diff_mean" not in r and r["rollout/offpolicy_diff_mean"] > 1e-4
+        assert r["rollout/offpolicy_diff_mean"] > 1e-4 and "timing_s/push_check" in r
+        assert r["rollout/logprob_diff_mean"] < 1e-4  # the probe: the engine runs the pushed weights
     assert "perf/gen_ahead_s" in ahead["rows"][0] and "perf/gen_ahead_s" not in ahead["rows"][-1]
     rewards = lambda run: [r["reward/mean"] for r in run["rows"]]  # noqa: E731
     assert rewards(ahead)[:2] == rewards(frozen)[:2]
+
+
+def test_async_push_check_catches_an_engine_that_kept_old_weights(one_rank, toy_dir, tmp_path, monkeypatch):
+    """With every push after the first dropped, an async run fails at step 2, the first stale batch: its probe's
+    response comes from the initial weights, which the trainer left at step 1 (a synchronous run's check would
+    catch it too; before the probe an async run trained on to the end)."""
+    import hf_rollout
+
+    pushes = []
+    real_push = hf_rollout.HFEngine.push_weights
+
+    def first_only(self, named_params):
+        pushes.append(1)
+        if len(pushes) == 1:
+            real_push(self, named_params)
+        else:
+            for _ in named_params:  # gathered and dropped
+                pass
+
+    monkeypatch.setattr(hf_rollout.HFEngine, "push_weights", first_only)
+    with pytest.raises(RuntimeError, match="step 2: vLLM's logprobs differ from the trainer's"):
+        _run(toy_dir, tmp_path / "broken", monkeypatch, async_steps=1, lr=5e-2)
+    assert len(pushes) == 2  # the first push, then step 1's (dropped); step 2's probe saw it
 
 
 def test_checkpointed_backward_leaves_the_global_generator_alone(tiny_qwen2, tmp_path, monkeypatch):
