@@ -74,6 +74,7 @@ import gc
 import inspect
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -466,6 +467,7 @@ class VLLMEngine:
         self.expected_names = _checkpoint_names(model_path) - ({"lm_head.weight"} if self.tied else set())
         self.asleep = False
         self.weights_lost = False  # after a level-2 sleep, until the next push
+        self.call_s: dict[str, float] = {}  # generate()'s parts since the last pop_call_seconds()
         print0(
             f"rollout: vLLM engine ready; weight push via {self.push_method}; sleep mode {self.sleep_enabled}; "
             f"engine core {'in its own process' if cfg.engine_process else 'in this process'}"
@@ -490,7 +492,9 @@ class VLLMEngine:
             raise RuntimeError(
                 "rollout: a level-2 sleep discarded the weights; push_weights() before generate()"
             )
+        t0 = time.perf_counter()
         self.wake_up()
+        t_wake = time.perf_counter() - t0
         greedy = sampling.greedy
         kwargs = dict(
             n=sampling.n,
@@ -531,6 +535,7 @@ class VLLMEngine:
             on, off = SamplingParams(**kwargs, **with_lp), SamplingParams(**kwargs)
             params = [on if i in checked else off for i in range(len(prompts))]
         call_seeded = seed is not None and not greedy and not per_request
+        t1 = time.perf_counter()
         with (
             watchdog.deadline("generate", self.cfg.timeout_s),
             _seeded_global_rng(seed if call_seeded else None),
@@ -538,6 +543,7 @@ class VLLMEngine:
             outputs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
             )
+        t2 = time.perf_counter()
         samples = []
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -554,7 +560,18 @@ class VLLMEngine:
                 else:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 samples.append(Completion(i, ids, logprobs, c.finish_reason))
+        parts = dict(wake=t_wake, params=t1 - t0 - t_wake, engine=t2 - t1, outputs=time.perf_counter() - t2)
+        for k, v in parts.items():
+            self.call_s[k] = self.call_s.get(k, 0.0) + v
         return samples
+
+    def pop_call_seconds(self) -> dict[str, float]:
+        """generate()'s seconds since the last pop, summed over its calls, in parts: `wake` (the engine's wake from
+        a sleep, when generate woke it), `params` (the sampling parameters, one per prompt), `engine` (vLLM's
+        `LLM.generate`: scheduling, the model, sampling, output processing) and `outputs` (the Completions).
+        rl.finish_step logs them as perf/gen_<part>_s: the generation phase against bare vLLM's call."""
+        out, self.call_s = self.call_s, {}
+        return out
 
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams (Hugging Face name, full tensor) pairs into the engine; each checkpoint tensor must come."""

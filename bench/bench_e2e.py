@@ -220,6 +220,10 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     # the garbage collector's pauses in each phase (perf.PhaseGC), the same medians, and its full collections
     gc_s = {k.removeprefix("perf/gc/").removesuffix("_s"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
             for k in rows[-1] if k.startswith("perf/gc/") and k.endswith("_s")}  # fmt: skip
+    # the step's generate() calls in parts (rollout.VLLMEngine.pop_call_seconds: wake, params, engine, outputs),
+    # the same medians: what the generation phase adds to vLLM's own call
+    gen_parts = {k.removeprefix("perf/gen_").removesuffix("_s"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
+                 for k in rows[-1] if k.startswith("perf/gen_") and k != "perf/gen_ahead_s"}  # fmt: skip
     # --async-steps 1: the background generation's own time (its exposed part is phases_s["gen_wait"])
     ahead = [r["perf/gen_ahead_s"] for r in rows[1:] if r.get("perf/gen_ahead_s") is not None]
     memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
@@ -237,7 +241,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
                     m[what] = max(m.get(what, 0.0), v)
     out = {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
-        "phases_s": phases, "gc_s_by_phase": gc_s,
+        "phases_s": phases, "gen_parts_s": gen_parts, "gc_s_by_phase": gc_s,
         "gc_full_collections": sum(r.get("perf/gc/full_collections", 0) for r in rows),
         "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),
         "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,

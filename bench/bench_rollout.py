@@ -110,9 +110,13 @@ def main(args: argparse.Namespace) -> dict:
         engine = rollout.make_engine(cfg, str(path), max_model_len=args.prompt_len + args.response_len)
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = common.random_prompts(args.num_prompts, args.prompt_len, vocab)
-    # Warm-up, one short call (both parameter paths: a checked and an unchecked prompt): first-call costs stay
-    # out of the figures.
+    # Warm-up, untimed: one short call (both parameter paths: a checked and an unchecked prompt), then one call of
+    # the runs' full size, so first-call costs stay out of the figures. With the short call alone the first timed
+    # call still paid them: bare_n8 took 6.52 s, then 4.94 at #2, at a lower power draw (228 W against 284; the host
+    # busy, the GPU waiting), while flatrl's calls between took 5.11 and 5.13 (H100, SmolLM2-135M, 428ed92; 8.60
+    # then 6.74 at 0.5B, 71b1a5f), and the mean of the two bare calls flattered flatrl's ratio.
     run_flatrl(engine, prompts[:2], 2, 8, False, 1)
+    run_bare(engine, prompts, args.n, args.response_len, logprobs=False)
     runs = {}
     with common.ClockWatch() as clocks:
         for name in args.runs.split(","):

@@ -121,14 +121,22 @@ def table(paths: list[str]) -> str:
 
 def memory_notes(paths: list[str]) -> str:
     """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
-    outside_torch_by_phase_gib, memory_log), one block a file; empty when none has them."""
+    outside_torch_by_phase_gib, memory_log), and its generation phase in parts (gen_parts_s), one block a file;
+    empty when none has them."""
     blocks = []
     for p in paths:
         f = json.loads(Path(p).read_text()).get("flatrl") or {}
         outside, log = f.get("outside_torch_by_phase_gib") or {}, f.get("memory_log") or []
-        if not (outside or log):
+        parts = f.get("gen_parts_s") or {}
+        if not (outside or log or parts):
             continue
         lines = [f"{Path(p).stem}, flatrl:"]
+        if parts:  # what the phase holds beyond vLLM's own call
+            gen = (f.get("phases_s") or {}).get("gen", 0.0)
+            lines.append(
+                f"  generation phase {gen:.2f} s, its generate() calls in parts (s): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            )
         if outside:  # negative where the sleeping engine's released pool still counts in torch's reserved
             lines.append(
                 "  outside torch's allocator at each phase's end (GiB): "

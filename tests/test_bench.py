@@ -120,6 +120,10 @@ def test_bench_e2e(tmp_path, work):
     # the collector's pauses by phase (perf/gc/*): every phase of the step has one, and none exceeds the step's
     assert {"gen", "sleep", "update", "sync", "step"} <= set(f["gc_s_by_phase"])
     assert max(f["gc_s_by_phase"].values()) == f["gc_s_by_phase"]["step"] and f["gc_full_collections"] >= 0
+    # the generation phase in parts (perf/gen_*_s): vLLM's own call is most of it, and no part exceeds it
+    parts, gen = f["gen_parts_s"], f["phases_s"]["gen"]
+    assert set(parts) == {"wake", "params", "engine", "outputs"}, parts
+    assert 0.5 * gen < parts["engine"] <= gen and max(parts.values()) <= gen
     # CPU: no CUDA memory per phase; the console's memory lines are a list (vLLM's own where it logs them)
     assert f["outside_torch_by_phase_gib"] == {} and isinstance(f["memory_log"], list)
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
@@ -336,11 +340,14 @@ def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
     d = json.loads(old.read_text())
     d["flatrl"]["outside_torch_by_phase_gib"] = {"gen": 4.29, "sleep": -19.62}
     d["flatrl"]["memory_log"] = ["memory at engine started: device used 29.14 GiB, torch reserved 24.80"]
+    d["flatrl"]["gen_parts_s"] = {"wake": 0.0, "params": 0.001, "engine": 5.12, "outputs": 0.04}
     path = tmp_path / "e2e_new.json"
     path.write_text(json.dumps(d))
     notes = e2e_table.memory_notes([str(old), str(path)]).splitlines()
     assert notes == [
         "e2e_new, flatrl:",
+        "  generation phase 4.04 s, its generate() calls in parts (s): wake 0.00, params 0.00, engine 5.12, "
+        "outputs 0.04",
         "  outside torch's allocator at each phase's end (GiB): gen 4.29, sleep -19.62",
         "  memory at engine started: device used 29.14 GiB, torch reserved 24.80",
     ]

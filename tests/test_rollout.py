@@ -278,8 +278,13 @@ def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> 
     assert engine.sleep_enabled is False
     engine.sleep()  # a no-op on CPU ...
     assert engine.asleep is False
+    engine.pop_call_seconds()
     out = engine.generate(PROMPTS[:2], rollout.SamplingConfig(n=2), max_tokens=8)  # ... generation works
     assert len(out) == 4 and all(1 <= len(s.response_ids) <= 8 for s in out)
+    # the call's seconds in parts (perf/gen_<part>_s), summed over calls until popped
+    once = engine.pop_call_seconds()
+    assert set(once) == {"wake", "params", "engine", "outputs"} and once["engine"] > 0
+    assert min(once.values()) >= 0 and engine.pop_call_seconds() == {}
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op and serving wants 1 thread: both undone.
     assert threads_after == 2
     torch.set_num_threads(1)
