@@ -357,7 +357,7 @@ def precompute_reference(
     for idx in batches(len(ds), cfg.train_batch_size):
         for i, lp in reference_logps(ref, ds, share(ds, idx, cfg), layout).items():
             table[i] = lp.double()
-    table = table.to(layout.device)
+    table = table.to(fsdp.comm_device())
     dist.all_reduce(table)  # each example was computed on one rank, zeros elsewhere
     return table.float().cpu()
 
@@ -478,7 +478,7 @@ def run_batch(
                 (loss_sum * world / n).backward()
         sums += torch.stack([terms[name].double().cpu() for name in SUMS])
     model.eval()
-    total = sums.to(layout.device)
+    total = sums.to(fsdp.comm_device())
     dist.all_reduce(total)
     got = dict(zip(SUMS, total.tolist(), strict=True))
     out = {"loss": got["loss"] / n}

@@ -2,7 +2,9 @@
 
 - `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or starts a
   one-process group when run as plain `python script.py`, so every code path below is the same for 1 and N ranks.
-  nccl on GPU, gloo on CPU, with a timeout so a dead rank turns into an error instead of a hang.
+  nccl on GPUs, gloo on CPU and on a single GPU (one rank: FSDP2 and DTensor run no collective there, so NCCL's
+  communicator, 0.55 GiB of device memory on an H100, would serve only flatrl's own small all-reduces), with a
+  timeout so a dead rank turns into an error instead of a hang.
   LOCAL_RANK picks the GPU (it restarts at 0 on every node); on CPU there is no device index.
 - `load_model` + `shard_model`: any Hugging Face causal LM, `fully_shard` on each decoder layer and then the root.
   On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction. On CPU: fp32 throughout.
@@ -120,7 +122,13 @@ def init_distributed(timeout_s: float = 600.0, bind_device: bool = False) -> Dis
             its first collective. Why: an in-process engine's start added 2.56 GiB outside torch's allocator to
             the device at 0.5B (H100, 71b1a5f), where an engine in its own process, whose groups are not bound,
             added 0.64 GiB beyond its share, its own CUDA context included; bench/probe_memory.py (run_h200.sh
-            `ledger`) measures the two side by side.
+            `ledger`) measures the two side by side. bind_device also keeps NCCL at one rank (below).
+
+    One rank on CUDA (WORLD_SIZE 1) uses gloo: FSDP2 and DTensor issue no collective on a one-rank mesh (profiled
+    on CPU: a sharded forward, backward, gradient clipping and full_tensor() run none), so the group carries only
+    flatrl's own all-reduces of metrics, barriers and DCP's coordination, which gloo does on the host, and NCCL's
+    communicator never starts: 0.55 GiB of device memory at its first collective (bench/probe_memory.py, H100,
+    428ed92). vLLM's own groups are its own (nccl, started lazily, unused at tensor-parallel size 1).
     Returns:
         Dist with rank, world size, local rank and the device this rank computes on.
     """
@@ -135,7 +143,7 @@ def init_distributed(timeout_s: float = 600.0, bind_device: bool = False) -> Dis
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend_for(device, int(os.environ.get("WORLD_SIZE", "1")), bind_device)
         dist.init_process_group(
             backend,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -143,6 +151,12 @@ def init_distributed(timeout_s: float = 600.0, bind_device: bool = False) -> Dis
         )
         _timeout_s = timeout_s
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def backend_for(device: torch.device, world_size: int, bind_device: bool = False) -> str:
+    """The default group's backend (init_distributed says why): nccl on GPUs, gloo on CPU and at one rank on a GPU
+    (unless bind_device asks NCCL to start at once)."""
+    return "nccl" if device.type == "cuda" and (world_size > 1 or bind_device) else "gloo"
 
 
 def barrier() -> None:
@@ -284,12 +298,9 @@ def all_reduce(x: float | torch.Tensor, op: str = "sum", device: torch.device | 
 
 
 def comm_device() -> torch.device:
-    """Where collectives' tensors live: this rank's GPU (NCCL), else the host (gloo)."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """Where collectives' tensors live: this rank's GPU (NCCL), else the host (gloo: CPU, or one GPU)."""
+    nccl = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def override_config(

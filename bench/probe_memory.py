@@ -7,9 +7,11 @@ the other 2.5 GiB at the engine's start (0.5B, H100, 71b1a5f; the process group 
 vLLM's own groups started NCCL at once). This splits both:
 
     cuda context        torch.cuda's context on this process's device (and the driver's share of the device)
-    process group       fsdp.init_distributed, as the trainer calls it (NCCL, lazy: each group's communicator
-                        starts at its first collective; --bind-device: eager, every later group's too)
-    first all_reduce    a collective on the default group
+    process group       fsdp.init_distributed, as the trainer calls it (gloo at one rank since 428ed92's ledger
+                        put NCCL's communicator at 0.55 GiB; NCCL at several ranks, lazy: each group's
+                        communicator starts at its first collective; --bind-device: NCCL, eager, every later
+                        group's too)
+    first all_reduce    a collective on the default group (on fsdp.comm_device(), as flatrl's own are)
     second group        dist.new_group over every rank, one all_reduce on it (what each group costs: vLLM makes
                         several of its own beside the trainer's)
     bf16 matmul         a 4096 x 4096 bf16 matmul (cuBLAS handles and their workspace)
@@ -79,10 +81,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.process_group:
         run = fsdp.init_distributed(bind_device=args.bind_device)
         mark(marks, "process group")
-        dist.all_reduce(torch.ones(1, device=run.device))
+        dist.all_reduce(torch.ones(1, device=fsdp.comm_device()))
         mark(marks, "first all_reduce")
         group = dist.new_group(list(range(run.world_size)))
-        dist.all_reduce(torch.ones(1, device=run.device), group=group)
+        dist.all_reduce(torch.ones(1, device=fsdp.comm_device()), group=group)
         mark(marks, "second group")
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     (a @ a).sum().item()
@@ -107,12 +109,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     engine.wake_up()
     mark(marks, "engine awake")
     engine.shutdown()
+    backend = dist.get_backend() if args.process_group else None  # the trainer's group: gloo or nccl
     if dist.is_initialized():
         dist.destroy_process_group()
     return {
         "bench": "probe_memory",
         "model": args.model,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}
+        | {"backend": backend},
         "marks": marks,
         "hardware": common.hardware(),
     }

@@ -179,10 +179,12 @@ def test_probe_memory_marks_each_piece_of_the_set_up(tmp_path, work):
     ]  # fmt: skip
     assert groups["cuda context"] == 0 and groups["process group"] == 1 and groups["second group"] == 2
     assert groups["engine awake"] == 2 and not any("device_used_gib" in m for m in r["marks"])
+    assert r["settings"]["backend"] == "gloo"  # on CPU; and at one rank on a GPU (fsdp.backend_for)
     # bound to the device: the same groups (on CUDA each NCCL communicator then starts at once)
     bound = run_bench("probe_memory.py", tmp_path, work, "--bind-device")
     assert [(m["mark"], m["process_groups"]) for m in bound["marks"]] == list(groups.items())
     alone = run_bench("probe_memory.py", tmp_path, work, "--no-process-group")
+    assert alone["settings"]["backend"] is None
     assert [m["mark"] for m in alone["marks"]][:2] == ["cuda context", "bf16 matmul"]
     assert all(m["process_groups"] == 0 for m in alone["marks"])
 

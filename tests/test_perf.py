@@ -819,3 +819,31 @@ def test_fused_adamw_steps_as_foreach_and_leaves_the_plan_its_buffer(tmp_path):
         "update"
     ]
     assert foreach - fused["optimizer step"] == pytest.approx(4 * P) and fused["optimizer step"] > 0
+
+
+def test_one_rank_runs_no_collective_so_one_gpu_needs_no_nccl(one_rank):
+    """fsdp.init_distributed gives one rank on a GPU a gloo group (NCCL's communicator, 0.55 GiB of device memory
+    on an H100, would never be needed): FSDP2 and DTensor run no collective on a one-rank mesh, so a sharded
+    model's forward, backward, gradient clipping and full-parameter gather stay off the group, which carries only
+    flatrl's own all-reduces (here one, to show the profiler sees them). Profiled on CPU with gloo."""
+    from torch.profiler import profile
+
+    assert fsdp.backend_for(torch.device("cuda", 0), 1) == "gloo"
+    assert (
+        fsdp.backend_for(torch.device("cuda", 0), 2)
+        == fsdp.backend_for(torch.device("cuda", 0), 1, True)
+        == "nccl"
+    )
+    assert fsdp.backend_for(torch.device("cpu"), 4) == "gloo" and fsdp.comm_device().type == "cpu"
+    model = fsdp.shard_model(tiny_model("sdpa"), torch.device("cpu"), fsdp.FSDPConfig())
+    collectives = lambda prof: [e.name for e in prof.events() if e.name.startswith(("c10d::", "gloo:"))]  # noqa: E731
+    with profile() as prof:
+        ids = torch.randint(0, 64, (2, 9))
+        model(input_ids=ids, labels=ids).loss.backward()
+        norm = fsdp.grad_norm_and_clip(model, 1.0)
+        full = dict(fsdp.iter_full_params(model))
+    assert norm > 0 and len(full) == len(list(model.parameters()))
+    assert collectives(prof) == []
+    with profile() as prof:
+        assert fsdp.all_reduce(2.0) == 2.0
+    assert "c10d::allreduce_" in collectives(prof)
