@@ -167,6 +167,10 @@ class HFEngine:
             self.model.to(self.device)
             self.on_host = False
 
+    def pop_call_seconds(self) -> dict[str, float]:
+        """VLLMEngine's split of generate()'s time; this engine has none to report (perf/gen_*_s stay absent)."""
+        return {}
+
     def shutdown(self) -> None:
         """Frees the copy."""
         del self.model

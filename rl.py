@@ -660,7 +660,7 @@ def push_and_validate_first(
     trainer = run.cfg.trainer
     if run.val is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(run, engine, step)
-        getattr(engine, "pop_call_seconds", dict)()  # validation's calls stay out of step 1's perf/gen_*
+        engine.pop_call_seconds()  # validation's calls stay out of step 1's perf/gen_*
         results["val/reward/mean_before"] = metrics["val/reward/mean"]
         results |= metrics
         run.logger.log(metrics, step=step)
@@ -723,12 +723,11 @@ def finish_step(
     trainer = run.cfg.trainer
     last = step == run.total_steps
     # the step's generate() calls in parts (rollout.VLLMEngine.pop_call_seconds), before validation's own calls
-    parts = getattr(engine, "pop_call_seconds", dict)()
-    metrics |= {f"perf/gen_{k}_s": v for k, v in parts.items()}
+    metrics |= {f"perf/gen_{k}_s": v for k, v in engine.pop_call_seconds().items()}
     if run.val is not None and (last or (trainer.test_freq > 0 and step % trainer.test_freq == 0)):
         with timer("val"):
             metrics |= validate(run, engine, step)
-        getattr(engine, "pop_call_seconds", dict)()  # and out of the next step's
+        engine.pop_call_seconds()  # and out of the next step's
     metrics |= rollout_metrics(samples, run.cfg.rollout.n)
     metrics |= timer.pop()
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
