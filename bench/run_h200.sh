@@ -147,10 +147,11 @@ follow_job() {  # follows the job started last until it ends or this call has ru
   [ -f "$jobs/current" ] || { echo "== no job was started on this machine: run its part first"; exit 2; }
   local name; name=$(cat "$jobs/current")
   local d=$jobs/$name
-  while [ ! -f "$d/rc" ] && [ $SECONDS -lt "${WAIT_S:-560}" ]; do sleep "${POLL_S:-15}"; copy_job "$name"; done
+  while job_running && [ $SECONDS -lt "${WAIT_S:-560}" ]; do sleep "${POLL_S:-15}"; copy_job "$name"; done
   copy_job "$name"
   if [ -f "$d/rc" ]; then echo "== $name exited $(cat "$d/rc") ($(date -u +%T))"; tail -5 "$d/bench.log"
-  else echo "== $name still running after this call's ${WAIT_S:-560} s: send the part wait now"; fi
+  elif job_running; then echo "== $name still running after this call's ${WAIT_S:-560} s: send the part wait now"
+  else echo "== $name ended without an exit status (killed?)"; tail -5 "$d/bench.log"; fi
 }
 if job_running && [ "$part" != wait ] && [ "$part" != verl-wait ]; then
   echo "== $(cat "$jobs/current") is still running on this GPU: send the part wait first (another bench beside it"

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -392,6 +394,13 @@ def test_run_h200_job_outlives_its_call(tmp_path):
     assert last.returncode == 0 and "== e2e-defaults-0.5b exited 0" in last.stdout, last.stdout
     for kept in (tmp_path / "out3", work / "json"):
         assert json.loads((kept / "e2e_defaults_0.5b.json").read_text())["flatrl"] == {"step_s": 1.5}
-    assert (
-        part("wait", tmp_path / "out4", 30).returncode == 0
-    )  # nothing running: it reports the last one again
+    # nothing running: it reports the last one again
+    assert part("wait", tmp_path / "out4", 30).returncode == 0
+
+    # a job killed before it could write its exit status: `wait` says so at once instead of waiting out WAIT_S
+    assert part("flatrl", tmp_path / "out5", 1).returncode == 0
+    pid = int((work / "jobs" / "e2e-flatrl-0.5b" / "pid").read_text())
+    os.killpg(pid, signal.SIGKILL)  # setsid made the job's shell the leader of its own process group
+    t0 = time.monotonic()
+    gone = part("wait", tmp_path / "out6", 30)
+    assert "e2e-flatrl-0.5b ended without an exit status" in gone.stdout and time.monotonic() - t0 < 15
