@@ -63,6 +63,7 @@
 #              428ed92, whose compiled layers' first step took 148 s)  the real SmolLM2-135M: flatrl, bare vLLM and
 #                                      TRL (async at 135M: MODEL=smollm2 ... best); it converts first where
 #                                      smollm2-prep did not (one call of 577 s at 01e8306)
+#                                      PEERS=verl (carry .gpu_verl1 .gpu_trl): verl instead of TRL, in the job
 # The lever parts pass --bare-vllm off (two flatrl runs a call leave no minute for it); defaults, flatrl, 2 and smollm2
 # time it after their first flatrl run.
 # e.g.  FLATRL_COMMIT=<sha> bash bench/run_h200.sh defaults;  FLATRL_COMMIT=<sha> MODEL=1.5b bash bench/run_h200.sh verl
@@ -127,7 +128,7 @@ copy_job() {  # copy_job NAME: what the job has written so far, into $OUT
   model=$(cat "$d/model" 2>/dev/null || echo "$MODEL")
   cp "$d"/*.json "$OUT/" 2>/dev/null
   [ -f "$d/bench.log" ] && tail -c 100000 "$d/bench.log" > "$OUT/$name.log"
-  case $name in e2e-verl-*)
+  case $name in e2e-verl-*|e2e-smollm2)
     [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$model.log"
     [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$model.jsonl" ;;
   esac
@@ -311,8 +312,16 @@ elif [ "$part" = smollm2-prep ]; then
   :  # the conversion above is all of it
 elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MODEL=smollm2 ... best
   MODEL=smollm2
+  # PEERS=verl (carry .gpu_verl1 .gpu_trl): flatrl, bare vLLM and verl in one job, the memory target's pair, where
+  # a session's device time holds no TRL beside them
+  peers=${PEERS:-trl} verl_args=()
+  if [[ ",$peers," == *,verl,* ]]; then
+    [ -f /tmp/verl_site/verl/__init__.py ] || run verl-install bash bench/verl_device_install.sh
+    verl_args=(--verl-attention "${VERL_ATTENTION:-flash-shim}" --verl-steps "${VERL_STEPS:-3}"
+      --timeout-s "${VERL_TIMEOUT_S:-900}")
+  fi
   start_job e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
-    --peers trl --out "$jobs/e2e-smollm2/e2e_smollm2.json"
+    --peers "$peers" "${verl_args[@]}" --out "$jobs/e2e-smollm2/e2e_smollm2.json"
   follow_job
 else
   echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
