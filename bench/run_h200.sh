@@ -314,7 +314,7 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
   MODEL=smollm2
   # PEERS=verl (carry .gpu_verl1 .gpu_trl): flatrl, bare vLLM and verl in one job, the memory target's pair, where
   # a session's device time holds no TRL beside them
-  peers=${PEERS:-trl} verl_args=()
+  peers=${PEERS-trl} verl_args=()  # PEERS= (empty): flatrl and bare vLLM alone
   if [[ ",$peers," == *,verl,* ]]; then
     [ -f /tmp/verl_site/verl/__init__.py ] || run verl-install bash bench/verl_device_install.sh
     verl_args=(--verl-attention "${VERL_ATTENTION:-flash-shim}" --verl-steps "${VERL_STEPS:-3}"
