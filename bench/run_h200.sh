@@ -18,6 +18,7 @@
 # Issue 21's runs (verl beside flatrl and TRL; memory with the defaults; the levers), named parts, each one
 # call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
+#   toy-grpo   (no carry, ~2 min est.)  grpo.py on the toy model for 3 steps on CUDA (part 1 ends with it)
 #   gpu-tests  (no carry, 5.5 min at 428ed92)  the CUDA-only tests, each sleep-mode engine in its own process
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
@@ -166,6 +167,14 @@ if { [ "$part" = smollm2-prep ] || [ "$part" = smollm2 ]; } && [ ! -f /tmp/real/
     --src /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/real/model
 fi
 
+toy_grpo() {  # the whole GRPO loop on CUDA (varlen attention, bf16, sleep/wake, the per-step logprob check, one
+  # rank's gloo group), toy size
+  run toy-grpo bash -c "python3 toy.py --out $WORK/toy > /dev/null && python3 -m torch.distributed.run \
+    --nproc_per_node 1 grpo.py --config configs/grpo_toy.yaml --model.path $WORK/toy/model \
+    --data.train_files $WORK/toy/rl/train.parquet --data.val_files $WORK/toy/rl/val.parquet \
+    --trainer.total_training_steps 3 --trainer.logger console --trainer.default_local_dir $WORK/toy_grpo \
+    --rollout.gpu_memory_utilization 0.2 2>&1 | grep -E 'step [0-9]|logprob|backend|Error|error' | tail -20"
+}
 if [ "$part" = 1 ]; then
   run attention python3 bench/bench_attention.py --model 0.5b --workdir "$WORK" --out "$OUT/attention.json"
   run rollout python3 bench/bench_rollout.py --model 0.5b --workdir "$WORK" --out "$OUT/rollout_0.5b.json"
@@ -180,12 +189,9 @@ if [ "$part" = 1 ]; then
       run gpu-sleep-wake-$level python3 -m pytest -q -rs -m gpu tests/test_rollout.py -k "sleep_wake and $level"
     done
   fi
-  # The whole GRPO loop on CUDA (varlen attention, bf16, sleep/wake, the per-step logprob check), toy size.
-  run toy-grpo bash -c "python3 toy.py --out $WORK/toy > /dev/null && python3 -m torch.distributed.run \
-    --nproc_per_node 1 grpo.py --config configs/grpo_toy.yaml --model.path $WORK/toy/model \
-    --data.train_files $WORK/toy/rl/train.parquet --data.val_files $WORK/toy/rl/val.parquet \
-    --trainer.total_training_steps 3 --trainer.logger console --trainer.default_local_dir $WORK/toy_grpo \
-    --rollout.gpu_memory_utilization 0.2 2>&1 | grep -E 'step [0-9]|logprob|Error|error' | tail -20"
+  toy_grpo
+elif [ "$part" = toy-grpo ]; then
+  toy_grpo
 elif [ "$part" = 2 ]; then
   for size in 0.5b 1.5b; do
     run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"
@@ -324,6 +330,6 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
     --peers "$peers" "${verl_args[@]}" --out "$jobs/e2e-smollm2/e2e_smollm2.json"
   follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"
