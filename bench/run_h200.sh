@@ -129,7 +129,7 @@ copy_job() {  # copy_job NAME: what the job has written so far, into $OUT
   model=$(cat "$d/model" 2>/dev/null || echo "$MODEL")
   cp "$d"/*.json "$OUT/" 2>/dev/null
   [ -f "$d/bench.log" ] && tail -c 100000 "$d/bench.log" > "$OUT/$name.log"
-  case $name in e2e-verl-*|e2e-smollm2)
+  case $name in e2e-verl-*)  # verl ran in it (the verl part, or the smollm2 part with PEERS=verl)
     [ -f "$WORK/verl_run/console.log" ] && tail -c 200000 "$WORK/verl_run/console.log" > "$OUT/verl_console_$model.log"
     [ -f "$WORK/verl_run/metrics.jsonl" ] && cp "$WORK/verl_run/metrics.jsonl" "$OUT/verl_metrics_$model.jsonl" ;;
   esac
@@ -320,14 +320,15 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
   MODEL=smollm2
   # PEERS=verl (carry .gpu_verl1 .gpu_trl): flatrl, bare vLLM and verl in one job, the memory target's pair, where
   # a session's device time holds no TRL beside them
-  peers=${PEERS-trl} verl_args=()  # PEERS= (empty): flatrl and bare vLLM alone
+  peers=${PEERS-trl} verl_args=() name=e2e-smollm2  # PEERS= (empty): flatrl and bare vLLM alone
   if [[ ",$peers," == *,verl,* ]]; then
+    name=e2e-verl-smollm2  # copy_job copies verl's console and metrics for e2e-verl-* jobs only
     [ -f /tmp/verl_site/verl/__init__.py ] || run verl-install bash bench/verl_device_install.sh
     verl_args=(--verl-attention "${VERL_ATTENTION:-flash-shim}" --verl-steps "${VERL_STEPS:-3}"
       --timeout-s "${VERL_TIMEOUT_S:-900}")
   fi
-  start_job e2e-smollm2 python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
-    --peers "$peers" "${verl_args[@]}" --out "$jobs/e2e-smollm2/e2e_smollm2.json"
+  start_job $name python3 bench/bench_e2e.py --model smollm2 --model-path /tmp/real/model --workdir "$WORK" \
+    --peers "$peers" "${verl_args[@]}" --out "$jobs/$name/e2e_smollm2.json"
   follow_job
 else
   echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
