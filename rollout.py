@@ -606,8 +606,12 @@ class VLLMEngine:
         """engine_process: sends the tensors to the engine's process in buckets of up to
         vllm_worker.PUSH_BUCKET_BYTES (a larger tensor alone), each loaded by
         `vllm_worker.WorkerExtension.flatrl_load_bucket`. CPU: the bucket's bytes go over vLLM's socket.
-        CUDA (its test passed on an H100, 2026-12-06): the tensors are copied into one device buffer that
-        the engine mapped once through a CUDA IPC handle, synchronised, then only their places are sent."""
+        CUDA (its test passed on an H100, 2026-12-07): the tensors are copied into one device buffer that
+        the engine mapped once through a CUDA IPC handle, synchronised, then only their places are sent. A
+        buffer mapped under a smaller PUSH_BUCKET_BYTES is replaced at the next push's start (its test
+        overran one at 6e02cb0: a push in 64 KiB buckets, then one at the default size)."""
+        if self.ipc_buffer is not None and self.ipc_buffer.numel() < vllm_worker.PUSH_BUCKET_BYTES:
+            self.ipc_buffer = None  # mapped under a smaller bucket size: this push's buckets would overrun it
         meta: list[list[Any]] = []  # [name, dtype, shape, byte offset] per tensor
         parts: list[Any] = []  # CPU: the bucket's bytes, padding included
         size, first = 0, True
