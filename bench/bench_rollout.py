@@ -20,6 +20,14 @@ Runs (generated tokens / wall seconds of one generate call):
                       not in the default --runs (it adds ~40 s on the H200), ask for it by name
     flatrl_n8_checkK  flatrl_n8_call with logprob_check_prompts=K (e.g. flatrl_n8_check2): the push check's
                       cost by its size; by name only
+    bare_n8_lpK       bare_n8 asking logprobs=0 of the K prompts flatrl checks (rollout.check_prompt_indices, one
+                      SamplingParams per prompt), e.g. bare_n8_lp8: vLLM's own cost of flatrl_n8_call's logprobs,
+                      so flatrl_n8_call / bare_n8_lp8 is flatrl's own work at its defaults; by name only
+    flatrl_n8_woken   flatrl_n8_call on an engine just put to sleep (level 1: the weights kept in host memory) and
+                      woken, untimed, as grpo.py's generation phase finds it after the push (torch's allocator
+                      with expandable segments, as sleep() sets them): whether a woken engine decodes slower (the
+                      phase took 1.09x this call alone at 6e02cb0, 135M); by name only (where the engine has no
+                      sleep mode, the CPU, it is flatrl_n8_call)
 
 A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so runs can be interleaved (ABAB) where
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
@@ -41,6 +49,7 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from typing import Any
 
 import common
 from common import Clock
@@ -50,26 +59,30 @@ import rollout
 
 
 def run_bare(
-    engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int, logprobs: bool
+    engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int, logprob_prompts: int
 ) -> dict:
-    """One bare vllm.LLM.generate call (with logprobs=0 for every request if asked); its tokens, seconds, tok/s."""
+    """One bare vllm.LLM.generate call; logprob_prompts: how many prompts ask logprobs=0 (0 none, -1 every one,
+    else those rollout.check_prompt_indices picks, as flatrl's call); its tokens, seconds, tok/s."""
     from vllm import SamplingParams
 
     extra: dict = {}
-    if logprobs:  # what flatrl's engine.generate asks for a checked prompt
+    if logprob_prompts:  # what flatrl's engine.generate asks for a checked prompt
         extra["logprobs"] = 0
         if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):  # newer vLLMs only
             extra["flat_logprobs"] = True
-    params = SamplingParams(
-        n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, **extra
-    )
+    kwargs = dict(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params: Any = SamplingParams(**kwargs, **extra)
+    if logprob_prompts > 0:  # one SamplingParams per prompt, as flatrl's call passes them
+        checked = set(rollout.check_prompt_indices(len(prompts), logprob_prompts))
+        off = SamplingParams(**kwargs)
+        params = [params if i in checked else off for i in range(len(prompts))]
     engine.llm.reset_prefix_cache()
     with Clock() as c:
         outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
     return dict(
         sequences=len(prompts) * n, tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s,
-        logprobs=extra or None,
+        logprobs=(extra | {"prompts": logprob_prompts}) if extra else None,
     )  # fmt: skip
 
 
@@ -116,15 +129,28 @@ def main(args: argparse.Namespace) -> dict:
     # busy, the GPU waiting), while flatrl's calls between took 5.11 and 5.13 (H100, SmolLM2-135M, 428ed92; 8.60
     # then 6.74 at 0.5B, 71b1a5f), and the mean of the two bare calls flattered flatrl's ratio.
     run_flatrl(engine, prompts[:2], 2, 8, False, 1)
-    run_bare(engine, prompts, args.n, args.response_len, logprobs=False)
+    run_bare(engine, prompts, args.n, args.response_len, 0)
     runs = {}
     with common.ClockWatch() as clocks:
         for name in args.runs.split(","):
             base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
             t0 = time.perf_counter()
-            if base.startswith("bare"):
+            if base in ("bare_n1", "bare_n8", "bare_n8_lp") or base.startswith("bare_n8_lp"):
                 n = 1 if base == "bare_n1" else args.n
-                runs[name] = run_bare(engine, prompts, n, args.response_len, logprobs=base == "bare_n8_lp")
+                lp = int(base.removeprefix("bare_n8_lp") or -1) if base.startswith("bare_n8_lp") else 0
+                runs[name] = run_bare(engine, prompts, n, args.response_len, lp)
+            elif base == "flatrl_n8_woken":  # the call on a freshly woken engine, the wake untimed
+                level = engine.cfg.sleep_level
+                engine.cfg = dataclasses.replace(engine.cfg, sleep_level=1)  # weights kept: no push needed
+                engine.sleep()
+                engine.wake_up()
+                engine.cfg = dataclasses.replace(engine.cfg, sleep_level=level)
+                k = args.logprob_check_prompts
+                runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
+                runs[name]["woken"] = engine.sleep_enabled
+                if engine.sleep_enabled and engine.cfg.trainer_expandable_segments:
+                    # sleep() turned them on (grpo.py's phase has them), not for the runs after this one
+                    rollout._expandable_segments(False)
             elif base in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request") or base.startswith(
                 "flatrl_n8_check"
             ):
@@ -142,6 +168,8 @@ def main(args: argparse.Namespace) -> dict:
 
     def ratio(a: str, b: str) -> float | None:
         return runs[a]["tok_per_s"] / runs[b]["tok_per_s"] if a in runs and b in runs else None
+
+    k = args.logprob_check_prompts
 
     result = {
         "bench": "rollout",
@@ -161,6 +189,10 @@ def main(args: argparse.Namespace) -> dict:
             "flatrl_n8_call_vs_bare_n1": ratio("flatrl_n8_call", "bare_n1"),
             "flatrl_n8_all_vs_bare_n8": ratio("flatrl_n8_all", "bare_n8"),  # flatrl before the subset
             "bare_n8_lp_vs_bare_n8": ratio("bare_n8_lp", "bare_n8"),  # vLLM's own logprob cost
+            # vLLM's own cost of the default check's logprobs, and flatrl's work on top of it
+            f"bare_n8_lp{k}_vs_bare_n8": ratio(f"bare_n8_lp{k}", "bare_n8"),
+            f"flatrl_n8_call_vs_bare_n8_lp{k}": ratio("flatrl_n8_call", f"bare_n8_lp{k}"),
+            "flatrl_n8_woken_vs_flatrl_n8_call": ratio("flatrl_n8_woken", "flatrl_n8_call"),  # a woken engine
             "flatrl_n8_all_vs_bare_n8_lp": ratio("flatrl_n8_all", "bare_n8_lp"),  # flatrl's own work
             "flatrl_n8_call_vs_flatrl_n8_all": ratio("flatrl_n8_call", "flatrl_n8_all"),  # the subset's gain
             "flatrl_n8_request_vs_bare_n8": ratio("flatrl_n8_request", "bare_n8"),

@@ -89,6 +89,10 @@ def rows(path: str) -> list[list[str]]:
             alone = f"flatrl's engine.generate alone {bare['flatrl_generate_s']:.2f} s"
             if bare.get("flatrl_generate_check2_s"):  # the push check on 2 prompts
                 alone += f" ({bare['flatrl_generate_check2_s']:.2f} s checking 2 prompts)"
+            if bare.get("flatrl_generate_woken_s"):  # on an engine slept and woken just before
+                alone += f", {bare['flatrl_generate_woken_s']:.2f} s on a woken engine"
+            if bare.get("bare_lp_check_s"):  # bare vLLM asking the check's logprobs
+                alone += f", bare vLLM asking the check's logprobs {bare['bare_lp_check_s']:.2f} s"
             shares.insert(1, alone)
         if len(bare.get("gen_s_each") or []) == 2:  # the interleaved calls: the mean and each call
             a, b = bare["gen_s_each"]
