@@ -601,10 +601,11 @@ def run_trl(args: argparse.Namespace, model: str, data: str, work: str) -> dict:
 
 
 # bench_rollout.py's runs for run_bare, interleaved (`#2`: the same run again); bare_n8_lpK asks the logprobs of
-# the K prompts flatrl's call checks (rollout.logprob_check_prompts), flatrl_n8_woken is flatrl's call on an engine
-# just slept and woken (the wake untimed)
+# the K prompts flatrl's call checks (rollout.logprob_check_prompts), bare_n8_probeK asks them of K short extra
+# requests instead, flatrl_n8_woken is flatrl's call on an engine just slept and woken (the wake untimed)
 BARE_LP = f"bare_n8_lp{rollout.RolloutConfig.logprob_check_prompts}"
-BARE_RUNS = f"bare_n8,flatrl_n8_call,{BARE_LP},flatrl_n8_check2,flatrl_n8_woken,bare_n8#2,flatrl_n8_call#2"
+BARE_PROBE = f"bare_n8_probe{rollout.RolloutConfig.logprob_check_prompts}"
+BARE_RUNS = f"bare_n8,flatrl_n8_call,{BARE_LP},flatrl_n8_check2,{BARE_PROBE},flatrl_n8_woken,bare_n8#2,flatrl_n8_call#2"
 
 
 def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
@@ -616,7 +617,8 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
     flatrl's generation outside the trainer's process; and with the check's logprobs for 2 prompts
     (`flatrl_generate_check2_s`); bare vLLM asking the same logprobs as flatrl's call (`bare_lp_check_s`: vLLM's
-    own cost of the check); flatrl's call on an engine slept and woken just before (`flatrl_generate_woken_s`: the
+    own cost of the check) and asking them of as many short extra requests instead (`bare_probe_check_s`: what a
+    check on probes would cost); flatrl's call on an engine slept and woken just before (`flatrl_generate_woken_s`: the
     engine as grpo.py's phase finds it). The calls interleave (BARE_RUNS), and bare's and flatrl's figures are
     the means of their two calls: at 01e8306 three calls in a row each took longer than the one before
     (0.5B 5.40, 5.54, 6.02 s; 135M 6.97, 8.04, 8.12 s), so a floor timed last was the slowest call, and one timed
@@ -662,6 +664,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
         # what the check's size costs (vLLM's host-side processing of each requested logprob)
         "flatrl_generate_check2_s": r["runs"].get("flatrl_n8_check2", {}).get("seconds"),
         "bare_lp_check_s": runs.get(BARE_LP, {}).get("seconds"),
+        "bare_probe_check_s": runs.get(BARE_PROBE, {}).get("seconds"),
         "flatrl_generate_woken_s": runs.get("flatrl_n8_woken", {}).get("seconds"),
         "tok_per_s": run["tokens"] / gen_s,
         "tokens": run["tokens"],
@@ -855,6 +858,7 @@ def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dic
         "flatrl_gen_vs_flatrl_generate_alone": ratio(gen, (bare or {}).get("flatrl_generate_s")),
         # and the split of those two: vLLM's own cost of the check's logprobs; a woken engine against an awake one
         "bare_lp_check_vs_bare_vllm": ratio((bare or {}).get("bare_lp_check_s"), floor),
+        "bare_probe_check_vs_bare_vllm": ratio((bare or {}).get("bare_probe_check_s"), floor),
         "flatrl_generate_woken_vs_alone": ratio(
             (bare or {}).get("flatrl_generate_woken_s"), (bare or {}).get("flatrl_generate_s")
         ),

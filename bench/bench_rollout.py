@@ -23,6 +23,10 @@ Runs (generated tokens / wall seconds of one generate call):
     bare_n8_lpK       bare_n8 asking logprobs=0 of the K prompts flatrl checks (rollout.check_prompt_indices, one
                       SamplingParams per prompt), e.g. bare_n8_lp8: vLLM's own cost of flatrl_n8_call's logprobs,
                       so flatrl_n8_call / bare_n8_lp8 is flatrl's own work at its defaults; by name only
+    bare_n8_probeK    bare_n8 plus K short requests (copies of those K prompts, n=1, 32 tokens) that alone ask
+                      logprobs=0: what a push check on short probe requests would cost vLLM, where the rollout's
+                      own requests ask none (vLLM computes the batch's logprobs only while a request wanting them
+                      runs: 32 of 512 steps); by name only
     flatrl_n8_woken   flatrl_n8_call on an engine just put to sleep (level 1: the weights kept in host memory) and
                       woken, untimed, as grpo.py's generation phase finds it after the push (torch's allocator
                       with expandable segments, as sleep() sets them): whether a woken engine decodes slower (the
@@ -55,14 +59,22 @@ import common
 from common import Clock
 from transformers import AutoConfig
 
+import rl
 import rollout
 
 
 def run_bare(
-    engine: rollout.VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int, logprob_prompts: int
+    engine: rollout.VLLMEngine,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int,
+    logprob_prompts: int,
+    probes: int = 0,
 ) -> dict:
     """One bare vllm.LLM.generate call; logprob_prompts: how many prompts ask logprobs=0 (0 none, -1 every one,
-    else those rollout.check_prompt_indices picks, as flatrl's call); its tokens, seconds, tok/s."""
+    else those rollout.check_prompt_indices picks, as flatrl's call); its tokens, seconds, tok/s. probes: that
+    many extra requests (copies of the prompts check_prompt_indices picks, n=1, PROBE_TOKENS tokens) ask the
+    logprobs instead, so vLLM computes them only while those short requests run; their tokens are not counted."""
     from vllm import SamplingParams
 
     extra: dict = {}
@@ -76,14 +88,33 @@ def run_bare(
         checked = set(rollout.check_prompt_indices(len(prompts), logprob_prompts))
         off = SamplingParams(**kwargs)
         params = [params if i in checked else off for i in range(len(prompts))]
+    requests = list(prompts)
+    if probes:
+        short = dict(kwargs, n=1, max_tokens=min(PROBE_TOKENS, max_tokens))
+        probe = SamplingParams(**short, logprobs=0)
+        picked = rollout.check_prompt_indices(len(prompts), probes)
+        params = [params] * len(prompts) + [probe] * len(picked)
+        requests += [prompts[i] for i in picked]
     engine.llm.reset_prefix_cache()
     with Clock() as c:
-        outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+    tokens = sum(len(o.token_ids) for out in outs[: len(prompts)] for o in out.outputs)
+    logprobs = (extra | {"prompts": logprob_prompts}) if extra else None
+    if probes:
+        with_lp = sum(o.logprobs is not None for out in outs[len(prompts) :] for o in out.outputs)
+        logprobs = {
+            "probes": len(picked),
+            "probe_tokens": short["max_tokens"],
+            "probes_with_logprobs": with_lp,
+        }
     return dict(
         sequences=len(prompts) * n, tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s,
-        logprobs=(extra | {"prompts": logprob_prompts}) if extra else None,
+        logprobs=logprobs,
     )  # fmt: skip
+
+
+# bare_n8_probeK's short requests: as many tokens as the probe of the last push on grpo.py's async path
+PROBE_TOKENS = rl.RolloutAhead.PROBE_TOKENS
 
 
 def run_flatrl(
@@ -139,6 +170,9 @@ def main(args: argparse.Namespace) -> dict:
                 n = 1 if base == "bare_n1" else args.n
                 lp = int(base.removeprefix("bare_n8_lp") or -1) if base.startswith("bare_n8_lp") else 0
                 runs[name] = run_bare(engine, prompts, n, args.response_len, lp)
+            elif base.startswith("bare_n8_probe"):
+                probes = int(base.removeprefix("bare_n8_probe"))
+                runs[name] = run_bare(engine, prompts, args.n, args.response_len, 0, probes)
             elif base == "flatrl_n8_woken":  # the call on a freshly woken engine, the wake untimed
                 level = engine.cfg.sleep_level
                 engine.cfg = dataclasses.replace(engine.cfg, sleep_level=1)  # weights kept: no push needed
@@ -192,6 +226,7 @@ def main(args: argparse.Namespace) -> dict:
             # vLLM's own cost of the default check's logprobs, and flatrl's work on top of it
             f"bare_n8_lp{k}_vs_bare_n8": ratio(f"bare_n8_lp{k}", "bare_n8"),
             f"flatrl_n8_call_vs_bare_n8_lp{k}": ratio("flatrl_n8_call", f"bare_n8_lp{k}"),
+            f"bare_n8_probe{k}_vs_bare_n8": ratio(f"bare_n8_probe{k}", "bare_n8"),  # a check on short probes
             "flatrl_n8_woken_vs_flatrl_n8_call": ratio("flatrl_n8_woken", "flatrl_n8_call"),  # a woken engine
             "flatrl_n8_all_vs_bare_n8_lp": ratio("flatrl_n8_all", "bare_n8_lp"),  # flatrl's own work
             "flatrl_n8_call_vs_flatrl_n8_all": ratio("flatrl_n8_call", "flatrl_n8_all"),  # the subset's gain

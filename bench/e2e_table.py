@@ -93,6 +93,8 @@ def rows(path: str) -> list[list[str]]:
                 alone += f", {bare['flatrl_generate_woken_s']:.2f} s on a woken engine"
             if bare.get("bare_lp_check_s"):  # bare vLLM asking the check's logprobs
                 alone += f", bare vLLM asking the check's logprobs {bare['bare_lp_check_s']:.2f} s"
+            if bare.get("bare_probe_check_s"):  # bare vLLM with the check on short probe requests
+                alone += f", with the check on short probes {bare['bare_probe_check_s']:.2f} s"
             shares.insert(1, alone)
         if len(bare.get("gen_s_each") or []) == 2:  # the interleaved calls: the mean and each call
             a, b = bare["gen_s_each"]

@@ -55,7 +55,7 @@ def test_bench_attention(tmp_path, work):
 @pytest.mark.slow
 def test_bench_rollout(tmp_path, work):
     default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
-    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken"
+    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2"
     r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more)
     runs = r["runs"]
     assert set(runs) == {
@@ -68,6 +68,7 @@ def test_bench_rollout(tmp_path, work):
         "bare_n8#2",
         "bare_n8_lp2",
         "flatrl_n8_woken",
+        "bare_n8_probe2",
     }
     # bare vLLM asking the logprobs of the 2 prompts flatrl's call checks (--toy: 2 of 4), every other prompt none
     assert runs["bare_n8_lp2"]["logprobs"]["prompts"] == 2 and runs["bare_n8_lp"]["logprobs"]["prompts"] == -1
@@ -75,6 +76,10 @@ def test_bench_rollout(tmp_path, work):
     # the CPU engine has no sleep mode: the woken run is flatrl's call, said so
     assert runs["flatrl_n8_woken"]["woken"] is False and runs["flatrl_n8_woken"]["tokens"] == 4 * 2 * 16
     assert runs["flatrl_n8_woken"]["logprobs"] == runs["flatrl_n8_call"]["logprobs"]
+    # 2 short extra requests ask the logprobs (--toy's 16 tokens < 32), their tokens not counted
+    probe = runs["bare_n8_probe2"]
+    assert probe["tokens"] == 4 * 2 * 16 and r["ratios"]["bare_n8_probe2_vs_bare_n8"] > 0
+    assert probe["logprobs"] == {"probes": 2, "probe_tokens": 16, "probes_with_logprobs": 2}
     # `#2`: bare_n8 again, its own call and entry; no device clocks on the CPU
     assert runs["bare_n8#2"]["tokens"] == 4 * 2 * 16 and runs["bare_n8#2"]["logprobs"] is None
     assert all(v["gpu"] is None for v in runs.values())
@@ -337,11 +342,12 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
     path.write_text(json.dumps(d))
     alone = e2e_table.rows(str(path))[-1][-1].split("; ")[1]
     assert alone == "flatrl's engine.generate alone 7.50 s (7.25 s checking 2 prompts)"
-    d["bare_vllm"] |= {"flatrl_generate_woken_s": 7.9, "bare_lp_check_s": 7.1}  # since 6e02cb0's 135M run
-    path.write_text(json.dumps(d))
+    d["bare_vllm"] |= {"flatrl_generate_woken_s": 7.9, "bare_lp_check_s": 7.1, "bare_probe_check_s": 7.05}
+    path.write_text(json.dumps(d))  # since 6e02cb0's 135M run
     alone = e2e_table.rows(str(path))[-1][-1].split("; ")[1]
     assert alone.endswith(
-        "(7.25 s checking 2 prompts), 7.90 s on a woken engine, bare vLLM asking the check's logprobs 7.10 s"
+        "(7.25 s checking 2 prompts), 7.90 s on a woken engine, bare vLLM asking the check's logprobs 7.10 s, "
+        "with the check on short probes 7.05 s"
     )
     d["bare_vllm"]["gen_s_each"] = [6.5, 7.5]  # the interleaved bare calls, since 01e8306's drift
     path.write_text(json.dumps(d))

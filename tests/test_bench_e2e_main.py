@@ -220,6 +220,7 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
             "flatrl_n8_call": run | {"seconds": 3.7},
             "flatrl_n8_check2": run | {"seconds": 3.6},
             "bare_n8_lp8": run | {"seconds": 3.8},
+            "bare_n8_probe8": run | {"seconds": 3.55},
             "flatrl_n8_woken": run | {"seconds": 4.29},
             "bare_n8#2": run | {"seconds": 4.5, "gpu": {"sm_mhz_mean": 1755.0}},
             "flatrl_n8_call#2": run | {"seconds": 4.1},
@@ -235,7 +236,8 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
     assert (
         seen["cmd"][1].endswith("bench/bench_rollout.py")
         and flags["--runs"]
-        == "bare_n8,flatrl_n8_call,bare_n8_lp8,flatrl_n8_check2,flatrl_n8_woken,bare_n8#2,flatrl_n8_call#2"
+        == "bare_n8,flatrl_n8_call,bare_n8_lp8,flatrl_n8_check2,bare_n8_probe8,flatrl_n8_woken,bare_n8#2,"
+        "flatrl_n8_call#2"
     )
     assert (flags["--model"], flags["--num-prompts"], flags["--n"]) == ("1.5b", "32", "8")
     assert (flags["--prompt-len"], flags["--response-len"], flags["--gpu-memory-utilization"]) == (
@@ -250,11 +252,13 @@ def test_run_bare_asks_bench_rollout_for_this_runs_shape(tmp_path, monkeypatch):
     assert r["flatrl_generate_check2_s"] == 3.6  # the same with the check's logprobs for 2 prompts
     # bare vLLM asking the check's logprobs (8 prompts, the default), and flatrl's call on a woken engine
     assert r["bare_lp_check_s"] == 3.8 and r["flatrl_generate_woken_s"] == 4.29
+    assert r["bare_probe_check_s"] == 3.55  # the check's logprobs asked of 8 short extra requests instead
     assert r["gpu_by_run"]["bare_n8#2"] == {"sm_mhz_mean": 1755.0} and r["gpu_by_run"]["bare_n8"] is None
     q = bench_e2e.ratios({"phases_s": {"gen": 4.07}}, {}, {}, r)
     assert round(q["flatrl_generate_alone_vs_bare_vllm"], 6) == round(3.9 / 4.0, 6)
     assert round(q["flatrl_gen_vs_flatrl_generate_alone"], 6) == round(4.07 / 3.9, 6)
     assert round(q["bare_lp_check_vs_bare_vllm"], 6) == round(3.8 / 4.0, 6)
+    assert round(q["bare_probe_check_vs_bare_vllm"], 6) == round(3.55 / 4.0, 6)
     assert round(q["flatrl_generate_woken_vs_alone"], 6) == round(4.29 / 3.9, 6)
     monkeypatch.setattr(
         bench_e2e.subprocess,
