@@ -41,7 +41,8 @@ Each run's entry: sequences, tokens, seconds, tok_per_s, and `logprobs` (bare: t
 flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them), and
 `gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by the power limit or by
 heat during the run (common.clock_summary; None off CUDA or without NVML).
-`ratios` divides tok_per_s of two runs of this one engine (None when one of them did not run).
+`ratios` divides tok_per_s of two runs of this one engine, each with its `#k` repeats (their tokens over their
+seconds; None when one of them did not run).
 
     python bench/bench_rollout.py --model 0.5b --out $OUT/rollout_0.5b.json      # H200: ~3.5 min
     python bench/bench_rollout.py --toy --out /tmp/rollout_toy.json               # CPU: ~30 s
@@ -200,8 +201,13 @@ def main(args: argparse.Namespace) -> dict:
             print(name, runs[name], flush=True)
     engine.shutdown()
 
+    def tok_per_s(a: str) -> float | None:  # a run and its `#k` repeats together
+        each = [r for name, r in runs.items() if name.partition("#")[0] == a]
+        return sum(r["tokens"] for r in each) / sum(r["seconds"] for r in each) if each else None
+
     def ratio(a: str, b: str) -> float | None:
-        return runs[a]["tok_per_s"] / runs[b]["tok_per_s"] if a in runs and b in runs else None
+        x, y = tok_per_s(a), tok_per_s(b)
+        return x / y if x and y else None
 
     k = args.logprob_check_prompts
 

@@ -18,7 +18,11 @@
 # Issue 21's runs (verl beside flatrl and TRL; memory with the defaults; the levers), named parts, each one
 # call on the same warm machine after the vLLM calls. Later calls need no .gpu3: the script sets the payload's
 # environment itself when /tmp/site holds vLLM. Durations are estimates from earlier runs at these shapes.
-#   toy-grpo   (no carry, ~2 min est.)  grpo.py on the toy model for 3 steps on CUDA (part 1 ends with it)
+#   toy-grpo   (no carry, 116 s at 6e02cb0)  grpo.py on the toy model for 3 steps on CUDA (part 1 ends with it)
+#   gen-split  (no carry; MODEL=smollm2 after smollm2-prep, or it converts; ~2 min est. at 135M) bench_rollout at one
+#                                      step's shape, each run twice interleaved: bare vLLM, flatrl's call, bare with
+#                                      the check's logprobs, bare with them on short probes, flatrl's call on a woken
+#                                      engine, flatrl's call checking 2 prompts: the 1.245x of 6e02cb0 (135M), split
 #   gpu-tests  (no carry, 5.5 min at 428ed92)  the CUDA-only tests, each sleep-mode engine in its own process
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
@@ -160,7 +164,8 @@ if job_running && [ "$part" != wait ] && [ "$part" != verl-wait ]; then
   echo "   would share the device and spoil both runs' figures)"; exit 2
 fi
 
-if { [ "$part" = smollm2-prep ] || [ "$part" = smollm2 ]; } && [ ! -f /tmp/real/model/config.json ]; then
+if { [ "$part" = smollm2-prep ] || [ "$part" = smollm2 ] || { [ "$part" = gen-split ] && [ "$MODEL" = smollm2 ]; }; } &&
+  [ ! -f /tmp/real/model/config.json ]; then
   mkdir -p /tmp/smol_parts && cp .gpu_smol[1-4]/* /tmp/smol_parts/ 2>/dev/null  # whichever parts this call carried
   run smollm2-unpack bash scripts/smollm2_payload.sh unpack
   run smollm2-convert python3 scripts/get_smollm2.py \
@@ -192,6 +197,12 @@ if [ "$part" = 1 ]; then
   toy_grpo
 elif [ "$part" = toy-grpo ]; then
   toy_grpo
+elif [ "$part" = gen-split ]; then  # the generation phase's gap to bare vLLM, split, at one step's shape (64 x 8)
+  # each run twice, interleaved: bare; flatrl's call; bare asking the check's logprobs (8 prompts); bare with them
+  # on 8 short probe requests instead; flatrl's call on a woken engine; flatrl's call checking 2 prompts
+  split=bare_n8,flatrl_n8_call,bare_n8_lp8,bare_n8_probe8,flatrl_n8_woken,flatrl_n8_check2
+  run gen-split python3 bench/bench_rollout.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
+    --num-prompts 64 --gpu-memory-utilization 0.3 --runs "$split,${split//,/#2,}#2" --out "$OUT/gen_split_$MODEL.json"
 elif [ "$part" = 2 ]; then
   for size in 0.5b 1.5b; do
     run update-$size python3 bench/bench_update.py --sizes $size --workdir "$WORK" --out "$OUT/update_$size.json"

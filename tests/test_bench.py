@@ -82,6 +82,10 @@ def test_bench_rollout(tmp_path, work):
     assert probe["logprobs"] == {"probes": 2, "probe_tokens": 16, "probes_with_logprobs": 2}
     # `#2`: bare_n8 again, its own call and entry; no device clocks on the CPU
     assert runs["bare_n8#2"]["tokens"] == 4 * 2 * 16 and runs["bare_n8#2"]["logprobs"] is None
+    # a ratio takes a run with its repeats: bare_n8's tokens over its two calls' seconds
+    both = runs["bare_n8"]["seconds"] + runs["bare_n8#2"]["seconds"]
+    call = runs["flatrl_n8_call"]["tokens"] / runs["flatrl_n8_call"]["seconds"]
+    assert r["ratios"]["flatrl_n8_call_vs_bare_n8"] == pytest.approx(call / (2 * 4 * 2 * 16 / both))
     assert all(v["gpu"] is None for v in runs.values())
     # by name: the push check's logprobs for 1 prompt (n=2) instead of --logprob-check-prompts
     assert runs["flatrl_n8_check1"]["logprobs"] == {"logprob_check_prompts": 1, "samples_with_logprobs": 2}
