@@ -32,6 +32,10 @@ Runs (generated tokens / wall seconds of one generate call):
                       with expandable segments, as sleep() sets them): whether a woken engine decodes slower (the
                       phase took 1.09x this call alone at 6e02cb0, 135M); by name only (where the engine has no
                       sleep mode, the CPU, it is flatrl_n8_call)
+    flatrl_n8_threads1 flatrl_n8_call with torch's intra-op threads at 1 during the call: vLLM's GPU worker sets 1
+                      and rollout.make_engine restores the process's count (note 4 of rollout.py), so vLLM's
+                      host-side tensor work runs with every core's OpenMP threads; whether that slows the decode
+                      loop; by name only
 
 A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so runs can be interleaved (ABAB) where
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
@@ -57,6 +61,7 @@ import time
 from typing import Any
 
 import common
+import torch
 from common import Clock
 from transformers import AutoConfig
 
@@ -174,6 +179,17 @@ def main(args: argparse.Namespace) -> dict:
             elif base.startswith("bare_n8_probe"):
                 probes = int(base.removeprefix("bare_n8_probe"))
                 runs[name] = run_bare(engine, prompts, args.n, args.response_len, 0, probes)
+            elif (
+                base == "flatrl_n8_threads1"
+            ):  # the call with torch's intra-op threads at 1, as vLLM's worker sets
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    k = args.logprob_check_prompts
+                    runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
+                finally:
+                    torch.set_num_threads(threads)
+                runs[name]["torch_threads"] = {"call": 1, "else": threads}
             elif base == "flatrl_n8_woken":  # the call on a freshly woken engine, the wake untimed
                 level = engine.cfg.sleep_level
                 engine.cfg = dataclasses.replace(engine.cfg, sleep_level=1)  # weights kept: no push needed
@@ -234,6 +250,7 @@ def main(args: argparse.Namespace) -> dict:
             f"flatrl_n8_call_vs_bare_n8_lp{k}": ratio("flatrl_n8_call", f"bare_n8_lp{k}"),
             f"bare_n8_probe{k}_vs_bare_n8": ratio(f"bare_n8_probe{k}", "bare_n8"),  # a check on short probes
             "flatrl_n8_woken_vs_flatrl_n8_call": ratio("flatrl_n8_woken", "flatrl_n8_call"),  # a woken engine
+            "flatrl_n8_threads1_vs_flatrl_n8_call": ratio("flatrl_n8_threads1", "flatrl_n8_call"),  # 1 thread
             "flatrl_n8_all_vs_bare_n8_lp": ratio("flatrl_n8_all", "bare_n8_lp"),  # flatrl's own work
             "flatrl_n8_call_vs_flatrl_n8_all": ratio("flatrl_n8_call", "flatrl_n8_all"),  # the subset's gain
             "flatrl_n8_request_vs_bare_n8": ratio("flatrl_n8_request", "bare_n8"),

@@ -22,7 +22,8 @@
 #   gen-split  (no carry; MODEL=smollm2 after smollm2-prep, or it converts; ~2 min est. at 135M) bench_rollout at one
 #                                      step's shape, each run twice interleaved: bare vLLM, flatrl's call, bare with
 #                                      the check's logprobs, bare with them on short probes, flatrl's call on a woken
-#                                      engine, flatrl's call checking 2 prompts: the 1.245x of 6e02cb0 (135M), split
+#                                      engine, flatrl's call checking 2 prompts, flatrl's call with torch at 1
+#                                      thread: the 1.245x of 6e02cb0 (135M), split
 #   gpu-tests  (no carry, 5.5 min at 428ed92)  the CUDA-only tests, each sleep-mode engine in its own process
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
@@ -199,8 +200,9 @@ elif [ "$part" = toy-grpo ]; then
   toy_grpo
 elif [ "$part" = gen-split ]; then  # the generation phase's gap to bare vLLM, split, at one step's shape (64 x 8)
   # each run twice, interleaved: bare; flatrl's call; bare asking the check's logprobs (8 prompts); bare with them
-  # on 8 short probe requests instead; flatrl's call on a woken engine; flatrl's call checking 2 prompts
-  split=bare_n8,flatrl_n8_call,bare_n8_lp8,bare_n8_probe8,flatrl_n8_woken,flatrl_n8_check2
+  # on 8 short probe requests instead; flatrl's call on a woken engine; flatrl's call checking 2 prompts; flatrl's
+  # call with torch's intra-op threads at 1
+  split=bare_n8,flatrl_n8_call,bare_n8_lp8,bare_n8_probe8,flatrl_n8_woken,flatrl_n8_check2,flatrl_n8_threads1
   run gen-split python3 bench/bench_rollout.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
     --num-prompts 64 --gpu-memory-utilization 0.3 --runs "$split,${split//,/#2,}#2" --out "$OUT/gen_split_$MODEL.json"
 elif [ "$part" = 2 ]; then

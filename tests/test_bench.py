@@ -55,7 +55,7 @@ def test_bench_attention(tmp_path, work):
 @pytest.mark.slow
 def test_bench_rollout(tmp_path, work):
     default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
-    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2"
+    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2,flatrl_n8_threads1"
     r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more)
     runs = r["runs"]
     assert set(runs) == {
@@ -69,6 +69,7 @@ def test_bench_rollout(tmp_path, work):
         "bare_n8_lp2",
         "flatrl_n8_woken",
         "bare_n8_probe2",
+        "flatrl_n8_threads1",
     }
     # bare vLLM asking the logprobs of the 2 prompts flatrl's call checks (--toy: 2 of 4), every other prompt none
     assert runs["bare_n8_lp2"]["logprobs"]["prompts"] == 2 and runs["bare_n8_lp"]["logprobs"]["prompts"] == -1
@@ -80,6 +81,10 @@ def test_bench_rollout(tmp_path, work):
     probe = runs["bare_n8_probe2"]
     assert probe["tokens"] == 4 * 2 * 16 and r["ratios"]["bare_n8_probe2_vs_bare_n8"] > 0
     assert probe["logprobs"] == {"probes": 2, "probe_tokens": 16, "probes_with_logprobs": 2}
+    # the call at 1 torch thread, the process's count back after it
+    one = runs["flatrl_n8_threads1"]
+    assert one["torch_threads"]["call"] == 1 and one["tokens"] == 4 * 2 * 16
+    assert one["torch_threads"]["else"] >= 1
     # `#2`: bare_n8 again, its own call and entry; no device clocks on the CPU
     assert runs["bare_n8#2"]["tokens"] == 4 * 2 * 16 and runs["bare_n8#2"]["logprobs"] is None
     # a ratio takes a run with its repeats: bare_n8's tokens over its two calls' seconds
