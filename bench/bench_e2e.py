@@ -244,6 +244,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     out = {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
         "phases_s": phases, "gen_parts_s": gen_parts, "gc_s_by_phase": gc_s,
+        # each step's generation phase after the first: the spread behind the median that meets bare vLLM's figure
+        "gen_s_each": [r["timing_s/gen"] for r in rows[1:] if "timing_s/gen" in r],
         "gc_full_collections": sum(r.get("perf/gc/full_collections", 0) for r in rows),
         "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),
         "peak_allocated_gib": peak("_peak_allocated_gb") if torch.cuda.is_available() else None,

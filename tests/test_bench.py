@@ -149,6 +149,7 @@ def test_bench_e2e(tmp_path, work):
     parts, gen = f["gen_parts_s"], f["phases_s"]["gen"]
     assert set(parts) == {"wake", "params", "engine", "outputs"}, parts
     assert 0.5 * gen < parts["engine"] <= gen and max(parts.values()) <= gen
+    assert len(f["gen_s_each"]) == 1 and f["gen_s_each"][0] == gen  # the steps after the first, each
     # CPU: no CUDA memory per phase; the console's memory lines are a list (vLLM's own where it logs them)
     assert f["outside_torch_by_phase_gib"] == {} and isinstance(f["memory_log"], list)
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
