@@ -28,10 +28,10 @@ Runs (generated tokens / wall seconds of one generate call):
                       own requests ask none (vLLM computes the batch's logprobs only while a request wanting them
                       runs: 32 of 512 steps); by name only
     flatrl_n8_woken   flatrl_n8_call on an engine just put to sleep (level 1: the weights kept in host memory) and
-                      woken, untimed, as grpo.py's generation phase finds it after the push (torch's allocator
-                      with expandable segments, as sleep() sets them): whether a woken engine decodes slower (the
-                      phase took 1.09x this call alone at 6e02cb0, 135M); by name only (where the engine has no
-                      sleep mode, the CPU, it is flatrl_n8_call)
+                      woken, untimed, as grpo.py's generation phase finds it after the push (the wake empties
+                      torch's cache and switches expandable segments off, as there): whether a woken engine
+                      decodes slower (the phase took 1.09x this call alone at 6e02cb0, 135M); by name only (where
+                      the engine has no sleep mode, the CPU, it is flatrl_n8_call)
     flatrl_n8_threads1 flatrl_n8_call with torch's intra-op threads at 1 during the call: vLLM's GPU worker sets 1
                       and rollout.make_engine restores the process's count (note 4 of rollout.py), so vLLM's
                       host-side tensor work runs with every core's OpenMP threads; whether that slows the decode
@@ -199,9 +199,6 @@ def main(args: argparse.Namespace) -> dict:
                 k = args.logprob_check_prompts
                 runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
                 runs[name]["woken"] = engine.sleep_enabled
-                if engine.sleep_enabled and engine.cfg.trainer_expandable_segments:
-                    # sleep() turned them on (grpo.py's phase has them), not for the runs after this one
-                    rollout._expandable_segments(False)
             elif base in ("flatrl_n8_call", "flatrl_n8_all", "flatrl_n8_request") or base.startswith(
                 "flatrl_n8_check"
             ):
