@@ -99,7 +99,7 @@ def run_bare(
         short = dict(kwargs, n=1, max_tokens=min(PROBE_TOKENS, max_tokens))
         probe = SamplingParams(**short, logprobs=0)
         picked = rollout.check_prompt_indices(len(prompts), probes)
-        params = [params] * len(prompts) + [probe] * len(picked)
+        params = (params if isinstance(params, list) else [params] * len(prompts)) + [probe] * len(picked)
         requests += [prompts[i] for i in picked]
     engine.llm.reset_prefix_cache()
     with Clock() as c:
@@ -172,16 +172,15 @@ def main(args: argparse.Namespace) -> dict:
         for name in args.runs.split(","):
             base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
             t0 = time.perf_counter()
-            if base in ("bare_n1", "bare_n8", "bare_n8_lp") or base.startswith("bare_n8_lp"):
+            if base in ("bare_n1", "bare_n8") or base.startswith("bare_n8_lp"):
                 n = 1 if base == "bare_n1" else args.n
                 lp = int(base.removeprefix("bare_n8_lp") or -1) if base.startswith("bare_n8_lp") else 0
                 runs[name] = run_bare(engine, prompts, n, args.response_len, lp)
             elif base.startswith("bare_n8_probe"):
                 probes = int(base.removeprefix("bare_n8_probe"))
                 runs[name] = run_bare(engine, prompts, args.n, args.response_len, 0, probes)
-            elif (
-                base == "flatrl_n8_threads1"
-            ):  # the call with torch's intra-op threads at 1, as vLLM's worker sets
+            elif base == "flatrl_n8_threads1":
+                # the call with torch's intra-op threads at 1, as vLLM's worker sets them
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
