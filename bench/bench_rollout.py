@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tempfile
 import time
 from typing import Any
@@ -118,6 +119,13 @@ def run_bare(
         logprobs=logprobs,
     )  # fmt: skip
 
+
+# the runs of the module docstring; K a count of prompts (1 or more), `#k` a repeat
+RUN_FORMS = "bare_n1, bare_n8, bare_n8_lp, bare_n8_lpK, bare_n8_probeK, flatrl_n8_{call,all,request,woken,threads1,checkK}"
+RUN_NAME = re.compile(
+    r"(bare_n1|bare_n8|bare_n8_lp([1-9]\d*)?|bare_n8_probe[1-9]\d*"
+    r"|flatrl_n8_(call|all|request|woken|threads1|check[1-9]\d*))(#\d+)?"
+)
 
 # bare_n8_probeK's short requests: as many tokens as the probe of the last push on grpo.py's async path
 PROBE_TOKENS = rl.RolloutAhead.PROBE_TOKENS
@@ -184,11 +192,14 @@ def main(args: argparse.Namespace) -> dict:
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
+                    call_threads = (
+                        torch.get_num_threads()
+                    )  # 1 unless set_num_threads is a no-op (rollout's note 4)
                     k = args.logprob_check_prompts
                     runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
                 finally:
                     torch.set_num_threads(threads)
-                runs[name]["torch_threads"] = {"call": 1, "else": threads}
+                runs[name]["torch_threads"] = {"call": call_threads, "else": threads}
             elif base == "flatrl_n8_woken":  # the call on a freshly woken engine, the wake untimed
                 level = engine.cfg.sleep_level
                 engine.cfg = dataclasses.replace(engine.cfg, sleep_level=1)  # weights kept: no push needed
@@ -286,6 +297,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where the model is built (reused); default a temp dir")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     args = p.parse_args(argv)
+    if bad := [r for r in args.runs.split(",") if not RUN_NAME.fullmatch(r)]:  # before the engine's minutes
+        p.error(f"--runs: unknown run(s) {bad}; allowed (each may end in #k): {RUN_FORMS}")
     if args.model == "smollm2" and not args.model_path:
         p.error("--model smollm2 needs --model-path DIR (the real model's folder: scripts/get_smollm2.py)")
     if args.toy:

@@ -311,6 +311,21 @@ def test_e2e_table_ratios_match_the_bench(monkeypatch):
     assert "| trl |" in e2e_table.table([str(path)])
 
 
+def test_bench_rollout_refuses_an_unknown_run_before_the_engine(monkeypatch, capsys):
+    """--runs is checked at parse time (an engine start costs minutes): a misspelt run, a count of 0 or none where
+    one is needed, each named in one line with the allowed forms; the documented ones parse."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_rollout
+
+    good = "bare_n1,bare_n8_lp,bare_n8_lp8#2,bare_n8_probe8,flatrl_n8_check2#3,flatrl_n8_woken,flatrl_n8_threads1"
+    assert bench_rollout.parse(["--runs", good]).runs == good
+    for bad in ("bare_n8_lp0", "bare_n8_probe", "flatrl_n8_wokn", "bare_n8#"):
+        with pytest.raises(SystemExit):
+            bench_rollout.parse(["--runs", f"bare_n8,{bad}"])
+        err = capsys.readouterr().err
+        assert f"--runs: unknown run(s) ['{bad}']" in err and "bare_n8_probeK" in err
+
+
 def test_e2e_table_shows_the_exposed_generation_of_an_async_run(monkeypatch):
     """An async run (001eeb6, H200) times `gen` at ~0 s in the step and the wait for the background generation as
     `gen_wait`: the table's generation column is their sum, and the rest is the step less it."""
