@@ -192,9 +192,8 @@ def main(args: argparse.Namespace) -> dict:
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
-                    call_threads = (
-                        torch.get_num_threads()
-                    )  # 1 unless set_num_threads is a no-op (rollout's note 4)
+                    # 1 unless set_num_threads is a no-op (rollout's note 4)
+                    call_threads = torch.get_num_threads()
                     k = args.logprob_check_prompts
                     runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
                 finally:
