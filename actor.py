@@ -459,17 +459,20 @@ class PushCheck:
         self.entropy_sum += (entropy.detach() * mb.valid).sum()
         self.entropy_tokens += sum(mb.lengths)
 
-    def result(self, tol: float, step: int, stale: bool = False) -> dict[str, float]:
+    def result(self, tol: float, step: int, stale: bool = False, probed: bool = False) -> dict[str, float]:
         """rollout/logprob_diff_mean and _max, actor/entropy over all ranks (collective).
 
         Raises RuntimeError (on every rank) when the mean exceeds `tol` (rollout.logprob_diff_tol) or is NaN: the
         engine is not running the trained weights; or when no rank checked a token: the push went unchecked.
         `stale`: the samples came from weights one update old (rollout.async_steps=1), so there is nothing to
         check; the difference is reported as rollout/offpolicy_diff_mean and _max (one update's change of the
-        policy plus the engine's numerics).
+        policy plus the engine's numerics). `probed`: the push was checked on probes (rl.check_push), so the
+        samples carry no logprobs: actor/entropy only.
         """
         tokens = fsdp.all_reduce(self.tokens)
         entropy = fsdp.all_reduce(float(self.entropy_sum)) / max(fsdp.all_reduce(self.entropy_tokens), 1)
+        if probed:
+            return {"actor/entropy": entropy}
         if stale:
             return {
                 "rollout/offpolicy_diff_mean": fsdp.all_reduce(float(self.diff_sum)) / max(tokens, 1),

@@ -455,7 +455,8 @@ MAY_CHANGE_ON_RESUME = tuple(
     rollout.gpu_memory_utilization rollout.free_cache_engine rollout.enforce_eager rollout.max_num_seqs
     rollout.max_num_batched_tokens rollout.sleep_level rollout.cpu_kvcache_space_gb rollout.enable_prefix_caching
     rollout.enable_chunked_prefill rollout.tensor_model_parallel_size rollout.timeout_s
-    rollout.logprob_check_prompts rollout.logprob_diff_tol rollout.val_kwargs.*
+    rollout.logprob_check_prompts rollout.logprob_check_tokens rollout.generate_threads rollout.logprob_diff_tol
+    rollout.val_kwargs.*
     custom_reward_function.num_workers custom_reward_function.timeout_s
     """.split()
 )

@@ -60,8 +60,9 @@ Where it deviates from verl's ray_trainer + dp_actor:
 2. Groups never straddle ranks: a prompt's n samples are generated, scored and normalised on one rank.
 3. vLLM's logprobs prove the weight push and are not used in the loss unless algorithm.rollout_is asks
    (truncated importance weights) or algorithm.rollout_rs (rejection sampling), so vLLM returns them for a few
-   prompts per call only (rollout.logprob_check_prompts; every prompt with those, or algorithm.rollout_bypass:
-   verl's bypass_mode, the engine's logprobs as the old ones, with its ppo_clip and reinforce losses).
+   prompts per call only, in short probe requests beside the rollouts (rollout.logprob_check_prompts and
+   logprob_check_tokens; every rollout carries them with those, or algorithm.rollout_bypass: verl's bypass_mode,
+   the engine's logprobs as the old ones, with its ppo_clip and reinforce losses).
 4. Sampling is seeded per step and rank, so a resumed run repeats an uninterrupted one's rollouts.
 """
 
@@ -626,7 +627,11 @@ def remax_baselines(
 
 
 def filtered_rollouts(
-    run: rl.Run, engine: rollout.Engine, step: int, fg: FilterGroupsConfig
+    run: rl.Run,
+    engine: rollout.Engine,
+    step: int,
+    fg: FilterGroupsConfig,
+    probes: list[actor.Sample] | None = None,
 ) -> tuple[list[actor.Sample], list[dict], dict[str, float]]:
     """DAPO's dynamic sampling: batches of prompts are drawn, generated and scored (round by round: the filter needs
     the scores), and each group whose `fg.metric` differs somewhere is kept, until every rank holds its share of
@@ -634,7 +639,8 @@ def filtered_rollouts(
     position and the tensor-parallel engines stay in step; a rank whose share is full still generates until the
     last one's is. Returns this rank's samples (grouped, `group` indexing its prompts), its prompts, and the
     reward pool's metrics summed (counts) or averaged (means) over the rounds, with rollout/num_gen_batches and
-    rollout/filtered_group_frac (the share of generated groups without spread)."""
+    rollout/filtered_group_frac (the share of generated groups without spread). `probes` receives every round's
+    push-check probes (rl.generate)."""
     quota = run.cfg.data.train_batch_size // run.dist.world_size
     kept: list[actor.Sample] = []
     kept_prompts: list[dict] = []
@@ -642,7 +648,7 @@ def filtered_rollouts(
     generated = flat = 0
     while True:
         prompts, mine = run.next_prompts()
-        samples, prompts = rl.generate(run, engine, prompts, mine, step, round_=len(rounds))
+        samples, prompts = rl.generate(run, engine, prompts, mine, step, round_=len(rounds), probes=probes)
         rounds.append(rl.score_in_background(run, samples, prompts)())  # waits: the filter needs the scores
         if fg.metric != "reward" and samples and not any(fg.metric in smp.reward_info for smp in samples):
             raise KeyError(
@@ -795,27 +801,26 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
         if rl.push_and_validate_first(run, engine, policy, step, results, offload):
             return results
         ahead = run.ahead = rl.RolloutAhead(run, engine) if cfg.rollout.async_steps else None
+        probing = rl.probing(cfg)  # the push check on short probes (rollout.logprob_check_tokens)
         while step < run.total_steps:
             with rl.step_timer(cfg) as timer:
                 # 1-2. prompts, and rollout.n responses to each
+                probes: list[actor.Sample] | None = [] if probing else None
                 with timer("gen"):
                     if fg.enable:  # DAPO: generated and scored round by round until the groups differ
-                        samples, prompts, scored = filtered_rollouts(run, engine, step, fg)
+                        samples, prompts, scored = filtered_rollouts(run, engine, step, fg, probes)
                     elif ahead is None:
                         # the engine's prompts; this rank trains on prompts[mine]
                         prompts, mine = run.next_prompts()
                         if remax:  # the greedy responses, whose scores are the baselines
                             baselines = remax_baselines(run, engine, prompts, mine, step)
-                        samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                        samples, prompts = rl.generate(run, engine, prompts, mine, step, probes=probes)
                     else:  # generated during the last step (one update old), or now at the first
                         samples, prompts = ahead.take(step)
                 pushed = {}
                 if ahead is not None and ahead.stale:  # the engine runs this step's weights: a short response
                     with timer("push_check"):  # checks the last push, before the batch ahead takes the engine
-                        probe, probe_check = ahead.probe(prompts[0], step), actor.PushCheck(run.dist.device)
-                        actor.compute_logprobs(policy, probe, cfg.actor, run.layout, temperature, probe_check)
-                        pushed = probe_check.result(cfg.rollout.logprob_diff_tol, step)
-                        pushed = {k: v for k, v in pushed.items() if k.startswith("rollout/")}
+                        pushed = rl.check_push(run, policy, ahead.probe(prompts[0], step), temperature, step)
                 if ahead is not None and step + 1 < run.total_steps:
                     # the next step's rollouts, with these weights, while this step trains
                     ahead.start(step + 1)
@@ -826,6 +831,9 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                 if ahead is None:
                     with timer("sleep"):  # frees the KV cache (and weights) for the trainer
                         engine.sleep()
+                if probes is not None:  # before the update changes the weights that sampled them
+                    with timer("push_check"):
+                        pushed = rl.check_push(run, policy, probes, temperature, step)
                 # 4. logprob passes
                 check = actor.PushCheck(run.dist.device)  # fed by the first forward over the samples
                 if old_pass:
@@ -873,7 +881,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
                     batch = (samples, len(prompts), cfg.actor, run.layout)
                     metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn, on_empty=on_empty)
                 stale = ahead is not None and ahead.stale  # the batch is one update old: the probe checked
-                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale) | pushed
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, stale, probing) | pushed
                 metrics["rollout/staleness"] = float(stale)
                 metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                 scheduler.step()

@@ -10,6 +10,7 @@ rollout.make_engine builds it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -66,15 +67,20 @@ class HFEngine:
         sampling: rollout.SamplingConfig,
         max_tokens: int,
         seed: int | None = None,
+        probes: bool = False,
     ) -> list[rollout.Completion]:
         """VLLMEngine.generate's contract. The prompts run in chunks of at most `cfg.hf_chunk_size` sequences
         (a prompt's n samples stay together), each one left-padded `generate` call under its own deadline: the
         prompts whose samples carry logprobs first (only those calls keep the raw logits, chunk x tokens x vocab
-        floats), then the rest. With a seed, the call's chunks draw in turn from one generator seeded with it."""
+        floats), then the rest; the probes (`probes`), if any, last. With a seed, the call's chunks draw in turn
+        from one generator seeded with it."""
         self.wake_up()
         if seed is not None:
             self.rng_state = torch.Generator(self.device).manual_seed(seed).get_state()
         checked = set(rollout.check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
+        probed = sorted(checked) if probes and rollout.uses_probes(self.cfg) else []
+        if probed:
+            checked = set()  # the rollouts carry no logprobs; the probes do
         order = sorted(range(len(prompts)), key=lambda i: i not in checked)  # stable: checked prompts first
         per_chunk = max(1, self.cfg.hf_chunk_size // sampling.n)
         by_prompt: dict[int, list[rollout.Completion]] = {}
@@ -83,17 +89,28 @@ class HFEngine:
             want_lp = any(i in checked for i in chunk)
             new, logprobs = self._generate_chunk([prompts[i] for i in chunk], sampling, max_tokens, want_lp)
             for r, tokens in enumerate(new):
-                i = chunk[r // sampling.n]
-                stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
-                end = len(tokens) if stop is None else stop + 1
-                reason = "length" if stop is None else "stop"
-                lp = (
-                    logprobs[r, :end].tolist() if i in checked else None
-                )  # as vLLM: only the checked prompts'
-                by_prompt.setdefault(i, []).append(rollout.Completion(i, tokens[:end], lp, reason))
-        return [
-            sample for i in range(len(prompts)) for sample in by_prompt[i]
-        ]  # grouped per prompt, in order
+                i = chunk[r // sampling.n]  # as vLLM: logprobs for the checked prompts' rollouts only
+                row = logprobs[r] if i in checked else None
+                by_prompt.setdefault(i, []).append(self._completion(i, tokens, row))
+        out = [sample for i in range(len(prompts)) for sample in by_prompt[i]]  # grouped per prompt, in order
+        for start in range(0, len(probed), self.cfg.hf_chunk_size):
+            chunk = probed[start : start + self.cfg.hf_chunk_size]
+            one = dataclasses.replace(sampling, n=1)
+            tokens = min(max_tokens, self.cfg.logprob_check_tokens)
+            new, logprobs = self._generate_chunk([prompts[i] for i in chunk], one, tokens, True)
+            for r, i in enumerate(chunk):
+                out.append(self._completion(i, new[r], logprobs[r], probe=True))
+        return out
+
+    def _completion(
+        self, i: int, tokens: list[int], logprobs: torch.Tensor | None, probe: bool = False
+    ) -> rollout.Completion:
+        """Prompt i's Completion from one row of new tokens (padded after eos) and its logprobs [R] or None."""
+        stop = next((t for t, tok in enumerate(tokens) if tok in self.eos), None)
+        end = len(tokens) if stop is None else stop + 1
+        reason = "length" if stop is None else "stop"
+        lp = None if logprobs is None else logprobs[:end].tolist()
+        return rollout.Completion(i, tokens[:end], lp, reason, probe)
 
     def _generate_chunk(
         self, prompts: list[list[int]], sampling: rollout.SamplingConfig, max_tokens: int, want_lp: bool

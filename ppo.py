@@ -382,15 +382,21 @@ def main(cfg: PPOConfig) -> dict[str, float]:
         # trainer.val_only stops here
         if rl.push_and_validate_first(run, engine, policy, step, results, offload):
             return results
+        probing = rl.probing(cfg)  # the push check on short probes (rollout.logprob_check_tokens)
         while step < run.total_steps:
             with rl.step_timer(cfg) as timer:
                 train_actor = step >= cfg.trainer.critic_warmup
                 prompts, mine = run.next_prompts()  # the engine's prompts; this rank trains on prompts[mine]
+                probes: list[actor.Sample] | None = [] if probing else None
                 with timer("gen"):
-                    samples, prompts = rl.generate(run, engine, prompts, mine, step)
+                    samples, prompts = rl.generate(run, engine, prompts, mine, step, probes=probes)
                 scores = rl.score_in_background(run, samples, prompts)  # beside the sleep and the passes
                 with timer("sleep"):  # frees the KV cache (and weights) for the trainer
                     engine.sleep()
+                pushed = {}
+                if probes is not None:  # before the update changes the weights that sampled them
+                    with timer("push_check"):
+                        pushed = rl.check_push(run, policy, probes, temperature, step)
                 check = actor.PushCheck(device)
                 if not (one_step and train_actor):  # a warm-up step has no actor update to check the push
                     with timer("old_logprob"):
@@ -428,7 +434,8 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                         metrics |= actor.update(policy, optimizer, guard, *batch, loss_fn)
                     metrics |= {"actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": guard.skipped}
                     scheduler.step()
-                metrics |= check.result(cfg.rollout.logprob_diff_tol, step)  # the engine ran our weights
+                # the engine ran our weights
+                metrics |= check.result(cfg.rollout.logprob_diff_tol, step, probed=probing) | pushed
                 step += 1
                 with timer("offload"):  # the AdamW state to host memory, so the waking engine finds its room
                     for o in offload:

@@ -454,15 +454,24 @@ def rollout_seed(base: int, step: int, rank: int, round_: int = 0) -> int:
 
 
 def sample(
-    engine: rollout.Engine, prompts: list[dict], sampling: rollout.SamplingConfig, max_tokens: int, seed: int
+    engine: rollout.Engine,
+    prompts: list[dict],
+    sampling: rollout.SamplingConfig,
+    max_tokens: int,
+    seed: int,
+    probes: list[actor.Sample] | None = None,
 ) -> list[actor.Sample]:
-    """`sampling.n` responses to each prompt from the engine, as Samples grouped per prompt."""
-    out = engine.generate([p["prompt_ids"] for p in prompts], sampling, max_tokens, seed=seed)
+    """`sampling.n` responses to each prompt from the engine, as Samples grouped per prompt. `probes`: a list that
+    receives the push check's probes, which the engine then adds (rollout.logprob_check_tokens)."""
+    ids = [p["prompt_ids"] for p in prompts]
+    out = engine.generate(ids, sampling, max_tokens, seed=seed, probes=probes is not None)
     samples = []
     for o in out:
-        ids = o.response_ids or [0]  # an empty response cannot be scored by logprob; vLLM never returns one
-        prompt_ids = prompts[o.prompt_index]["prompt_ids"]
-        samples.append(actor.Sample(prompt_ids, ids, o.logprobs, o.finish_reason, o.prompt_index))
+        response = o.response_ids or [
+            0
+        ]  # an empty response cannot be scored by logprob; vLLM never returns one
+        s = actor.Sample(ids[o.prompt_index], response, o.logprobs, o.finish_reason, o.prompt_index)
+        (probes if o.probe else samples).append(s)  # probes is a list whenever the engine returns one
     return samples
 
 
@@ -474,18 +483,42 @@ def generate(
     step: int,
     round_: int = 0,
     sampling: rollout.SamplingConfig | None = None,
+    probes: list[actor.Sample] | None = None,
 ) -> tuple[list[actor.Sample], list[dict]]:
     """A training step's rollouts: rollout.n responses to each of the engine's prompts (at this step's and
     round's seed; `sampling` instead of rollout.train_sampling when given), of which this rank keeps those to
-    prompts[mine]. Returns (its samples, with `group` indexing its prompts; its prompts)."""
+    prompts[mine]. Returns (its samples, with `group` indexing its prompts; its prompts). `probes`: a list that
+    receives the push check's probes (see `check_push`): all of the engine's, so the ranks of one tensor-parallel
+    group check the same ones."""
     cfg = run.cfg
     seed = rollout_seed(cfg.rollout.seed, step, run.dist.rank // run.tp, round_)
     sampling = sampling or cfg.rollout.train_sampling
-    samples = sample(engine, prompts, sampling, cfg.data.max_response_length, seed)
+    samples = sample(engine, prompts, sampling, cfg.data.max_response_length, seed, probes)
     samples = [s for s in samples if mine.start <= s.group < mine.stop]
     for s in samples:
         s.group -= mine.start
     return samples, prompts[mine]
+
+
+def probing(cfg: Any) -> bool:
+    """Whether the push check of grpo.py and ppo.py runs on probes (rollout.logprob_check_tokens; not with
+    rollout.async_steps=1, whose batches are one update old) rather than on the rollouts that carry logprobs."""
+    return rollout.uses_probes(cfg.rollout) and not cfg.rollout.async_steps
+
+
+def check_push(
+    run: Run, policy: torch.nn.Module, probes: list[actor.Sample], temperature: float, step: int
+) -> dict[str, float]:
+    """The push check on `probes`, short responses from the engine's weights, which the policy still holds (before
+    its update): one no-grad pass over them. Returns rollout/logprob_diff_mean and _max; raises as
+    actor.PushCheck.result does (collective: every rank calls it, each with its engine's probes)."""
+    check = actor.PushCheck(run.dist.device)
+    actor.compute_logprobs(policy, probes, run.cfg.actor, run.layout, temperature, check)
+    return {
+        k: v
+        for k, v in check.result(run.cfg.rollout.logprob_diff_tol, step).items()
+        if k.startswith("rollout/")
+    }
 
 
 class RolloutAhead:

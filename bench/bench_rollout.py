@@ -3,8 +3,9 @@
 Both run on the same vLLM engine, started by flatrl with its defaults (so the engine settings are identical by
 construction; they are printed under `engine`): "bare" calls `engine.llm.generate` directly with plain
 `SamplingParams(n, temperature=1, max_tokens, ignore_eos=True, detokenize=False)`, as a user of vLLM would;
-"flatrl" calls `engine.generate`, which adds what training needs (the engine's logprobs of the sampled tokens for
-`rollout.logprob_check_prompts` prompts, a seed, Completion objects). Fixed lengths (`ignore_eos`), random token
+"flatrl" calls `engine.generate` as rl.generate does, which adds what training needs (the push check's probes: one
+short request with the engine's logprobs for each of `rollout.logprob_check_prompts` prompts; a seed; Completion
+objects). Fixed lengths (`ignore_eos`), random token
 prompts, the prefix cache reset before every run.
 
 Runs (generated tokens / wall seconds of one generate call):
@@ -13,9 +14,12 @@ Runs (generated tokens / wall seconds of one generate call):
     bare_n8_lp        bare_n8 asking logprobs=0 of every request, as flatrl did before logprob_check_prompts
                       (the engine's logprobs_mode is raw_logprobs; flat_logprobs where vLLM has it): vLLM's own
                       cost of the logprobs, so flatrl_n8_all / bare_n8_lp is flatrl's own work
-    flatrl_n8_call    flatrl's defaults: logprobs for --logprob-check-prompts prompts, the call's seed seeds
-                      vLLM's generator (rollout.per_request_seeds=False)
+    flatrl_n8_call    flatrl's defaults: --logprob-check-prompts probes of rollout.logprob_check_tokens tokens
+                      with logprobs, the call's seed seeds vLLM's generator (rollout.per_request_seeds=False),
+                      torch's intra-op threads at rollout.generate_threads during the call (CUDA)
     flatrl_n8_all     flatrl_n8_call with logprobs for every prompt (rollout.logprob_check_prompts=-1)
+    flatrl_n8_onrollouts flatrl_n8_call with the logprobs on the checked prompts' rollouts instead of probes
+                      (rollout.logprob_check_tokens=0, the default before 2026-12-07); by name only
     flatrl_n8_request flatrl_n8_call with one seeded generator per request (rollout.per_request_seeds=True);
                       not in the default --runs (it adds ~40 s on the H200), ask for it by name
     flatrl_n8_checkK  flatrl_n8_call with logprob_check_prompts=K (e.g. flatrl_n8_check2): the push check's
@@ -32,10 +36,11 @@ Runs (generated tokens / wall seconds of one generate call):
                       torch's cache and switches expandable segments off, as there): whether a woken engine
                       decodes slower (the phase took 1.09x this call alone at 6e02cb0, 135M); by name only (where
                       the engine has no sleep mode, the CPU, it is flatrl_n8_call)
-    flatrl_n8_threads1 flatrl_n8_call with torch's intra-op threads at 1 during the call: vLLM's GPU worker sets 1
-                      and rollout.make_engine restores the process's count (note 4 of rollout.py), so vLLM's
-                      host-side tensor work runs with every core's OpenMP threads; whether that slows the decode
-                      loop; by name only
+    flatrl_n8_threadsall flatrl_n8_call with the process's intra-op threads during the call
+                      (rollout.generate_threads=0, the default before 2026-12-07): vLLM's GPU worker sets 1 and
+                      rollout.make_engine restores the process's count (note 4 of rollout.py), so vLLM's host-side
+                      tensor work ran with every core's OpenMP threads (at 75f1f3f, as flatrl_n8_threads1: 1.05x
+                      the call's speed with 1 thread, SmolLM2-135M, H100); by name only
 
 A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so runs can be interleaved (ABAB) where
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
@@ -62,11 +67,9 @@ import time
 from typing import Any
 
 import common
-import torch
 from common import Clock
 from transformers import AutoConfig
 
-import rl
 import rollout
 
 
@@ -121,14 +124,17 @@ def run_bare(
 
 
 # the runs of the module docstring; K a count of prompts (1 or more), `#k` a repeat
-RUN_FORMS = "bare_n1, bare_n8, bare_n8_lp, bare_n8_lpK, bare_n8_probeK, flatrl_n8_{call,all,request,woken,threads1,checkK}"
+RUN_FORMS = (
+    "bare_n1, bare_n8, bare_n8_lp, bare_n8_lpK, bare_n8_probeK, "
+    "flatrl_n8_{call,all,request,woken,onrollouts,threadsall,checkK}"
+)
 RUN_NAME = re.compile(
     r"(bare_n1|bare_n8|bare_n8_lp([1-9]\d*)?|bare_n8_probe[1-9]\d*"
-    r"|flatrl_n8_(call|all|request|woken|threads1|check[1-9]\d*))(#\d+)?"
+    r"|flatrl_n8_(call|all|request|woken|onrollouts|threadsall|check[1-9]\d*))(#\d+)?"
 )
 
-# bare_n8_probeK's short requests: as many tokens as the probe of the last push on grpo.py's async path
-PROBE_TOKENS = rl.RolloutAhead.PROBE_TOKENS
+# bare_n8_probeK's short requests: as many tokens as flatrl's probes
+PROBE_TOKENS = rollout.RolloutConfig.logprob_check_tokens
 
 
 def run_flatrl(
@@ -138,21 +144,31 @@ def run_flatrl(
     max_tokens: int,
     per_request: bool,
     logprob_check_prompts: int,
+    **cfg: Any,
 ) -> dict:
-    """One flatrl engine.generate call (seeded, as rl.generate calls it)."""
+    """One flatrl engine.generate call (seeded and with probes, as rl.generate calls it), `cfg` replacing
+    RolloutConfig fields for it. Tokens count the rollouts' (the probes are the check's, reported apart)."""
+    base = engine.cfg
     engine.cfg = dataclasses.replace(
-        engine.cfg, per_request_seeds=per_request, logprob_check_prompts=logprob_check_prompts
+        base, per_request_seeds=per_request, logprob_check_prompts=logprob_check_prompts, **cfg
     )
     engine.llm.reset_prefix_cache()
-    with Clock() as c:
-        samples = engine.generate(prompts, rollout.SamplingConfig(n=n), max_tokens, seed=1234)
+    try:
+        with Clock() as c:
+            out = engine.generate(prompts, rollout.SamplingConfig(n=n), max_tokens, seed=1234, probes=True)
+    finally:
+        engine.cfg = base
+    samples = [s for s in out if not s.probe]
     tokens = sum(len(s.response_ids) for s in samples)
     return dict(
         sequences=len(samples), tokens=tokens, seconds=round(c.s, 3), tok_per_s=tokens / c.s,
         logprobs=dict(
             logprob_check_prompts=logprob_check_prompts,
             samples_with_logprobs=sum(s.logprobs is not None for s in samples),
+            probes=sum(s.probe for s in out),
+            probe_tokens=sum(len(s.response_ids) for s in out if s.probe),
         ),
+        **({"cfg": cfg} if cfg else {}),
     )  # fmt: skip
 
 
@@ -187,18 +203,14 @@ def main(args: argparse.Namespace) -> dict:
             elif base.startswith("bare_n8_probe"):
                 probes = int(base.removeprefix("bare_n8_probe"))
                 runs[name] = run_bare(engine, prompts, args.n, args.response_len, 0, probes)
-            elif base == "flatrl_n8_threads1":
-                # the call with torch's intra-op threads at 1, as vLLM's worker sets them
-                threads = torch.get_num_threads()
-                torch.set_num_threads(1)
-                try:
-                    # 1 unless set_num_threads is a no-op (rollout's note 4)
-                    call_threads = torch.get_num_threads()
-                    k = args.logprob_check_prompts
-                    runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k)
-                finally:
-                    torch.set_num_threads(threads)
-                runs[name]["torch_threads"] = {"call": call_threads, "else": threads}
+            elif base in ("flatrl_n8_threadsall", "flatrl_n8_onrollouts"):  # one default as before 2026-12-07
+                was = (
+                    dict(generate_threads=0)
+                    if base == "flatrl_n8_threadsall"
+                    else dict(logprob_check_tokens=0)
+                )
+                k = args.logprob_check_prompts
+                runs[name] = run_flatrl(engine, prompts, args.n, args.response_len, False, k, **was)
             elif base == "flatrl_n8_woken":  # the call on a freshly woken engine, the wake untimed
                 level = engine.cfg.sleep_level
                 engine.cfg = dataclasses.replace(engine.cfg, sleep_level=1)  # weights kept: no push needed
@@ -256,7 +268,9 @@ def main(args: argparse.Namespace) -> dict:
             f"flatrl_n8_call_vs_bare_n8_lp{k}": ratio("flatrl_n8_call", f"bare_n8_lp{k}"),
             f"bare_n8_probe{k}_vs_bare_n8": ratio(f"bare_n8_probe{k}", "bare_n8"),  # a check on short probes
             "flatrl_n8_woken_vs_flatrl_n8_call": ratio("flatrl_n8_woken", "flatrl_n8_call"),  # a woken engine
-            "flatrl_n8_threads1_vs_flatrl_n8_call": ratio("flatrl_n8_threads1", "flatrl_n8_call"),  # 1 thread
+            # the defaults of 2026-12-07 against those before: probes; 1 thread in the call
+            "flatrl_n8_call_vs_flatrl_n8_onrollouts": ratio("flatrl_n8_call", "flatrl_n8_onrollouts"),
+            "flatrl_n8_call_vs_flatrl_n8_threadsall": ratio("flatrl_n8_call", "flatrl_n8_threadsall"),
             "flatrl_n8_all_vs_bare_n8_lp": ratio("flatrl_n8_all", "bare_n8_lp"),  # flatrl's own work
             "flatrl_n8_call_vs_flatrl_n8_all": ratio("flatrl_n8_call", "flatrl_n8_all"),  # the subset's gain
             "flatrl_n8_request_vs_bare_n8": ratio("flatrl_n8_request", "bare_n8"),

@@ -199,10 +199,10 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = toy-grpo ]; then
   toy_grpo
 elif [ "$part" = gen-split ]; then  # the generation phase's gap to bare vLLM, split, at one step's shape (64 x 8)
-  # each run twice, interleaved: bare; flatrl's call; bare asking the check's logprobs (8 prompts); bare with them
-  # on 8 short probe requests instead; flatrl's call on a woken engine; flatrl's call checking 2 prompts; flatrl's
-  # call with torch's intra-op threads at 1
-  split=bare_n8,flatrl_n8_call,bare_n8_lp8,bare_n8_probe8,flatrl_n8_woken,flatrl_n8_check2,flatrl_n8_threads1
+  # each run twice, interleaved: bare; flatrl's call (8 probes, 1 torch thread); bare with 8 probe requests; flatrl's
+  # call as before 2026-12-07 with the check's logprobs on 8 prompts' rollouts, then with the process's threads;
+  # flatrl's call on a woken engine
+  split=bare_n8,flatrl_n8_call,bare_n8_probe8,flatrl_n8_onrollouts,flatrl_n8_threadsall,flatrl_n8_woken
   run gen-split python3 bench/bench_rollout.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
     --num-prompts 64 --gpu-memory-utilization 0.3 --runs "$split,${split//,/#2,}#2" --out "$OUT/gen_split_$MODEL.json"
 elif [ "$part" = 2 ]; then

@@ -55,7 +55,8 @@ def test_bench_attention(tmp_path, work):
 @pytest.mark.slow
 def test_bench_rollout(tmp_path, work):
     default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
-    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2,flatrl_n8_threads1"
+    more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2,flatrl_n8_threadsall"
+    more += ",flatrl_n8_onrollouts"
     r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more)
     runs = r["runs"]
     assert set(runs) == {
@@ -69,7 +70,8 @@ def test_bench_rollout(tmp_path, work):
         "bare_n8_lp2",
         "flatrl_n8_woken",
         "bare_n8_probe2",
-        "flatrl_n8_threads1",
+        "flatrl_n8_threadsall",
+        "flatrl_n8_onrollouts",
     }
     # bare vLLM asking the logprobs of the 2 prompts flatrl's call checks (--toy: 2 of 4), every other prompt none
     assert runs["bare_n8_lp2"]["logprobs"]["prompts"] == 2 and runs["bare_n8_lp"]["logprobs"]["prompts"] == -1
@@ -81,10 +83,17 @@ def test_bench_rollout(tmp_path, work):
     probe = runs["bare_n8_probe2"]
     assert probe["tokens"] == 4 * 2 * 16 and r["ratios"]["bare_n8_probe2_vs_bare_n8"] > 0
     assert probe["logprobs"] == {"probes": 2, "probe_tokens": 16, "probes_with_logprobs": 2}
-    # the call at 1 torch thread, the process's count back after it
-    one = runs["flatrl_n8_threads1"]
-    assert one["torch_threads"]["call"] == 1 and one["tokens"] == 4 * 2 * 16
-    assert one["torch_threads"]["else"] >= 1
+    # flatrl's call checks on 2 probes (--toy's 16 tokens < 32), the rollouts without logprobs; as before
+    # 2026-12-07, on the 2 checked prompts' 4 rollouts, or with the process's torch threads (the engine's cfg back)
+    assert runs["flatrl_n8_call"]["logprobs"] == {
+        "logprob_check_prompts": 2, "samples_with_logprobs": 0, "probes": 2, "probe_tokens": 32
+    }  # fmt: skip
+    before = runs["flatrl_n8_onrollouts"]
+    assert before["logprobs"]["samples_with_logprobs"] == 4 and before["logprobs"]["probes"] == 0
+    assert before["cfg"] == {"logprob_check_tokens": 0} and before["tokens"] == 4 * 2 * 16
+    assert runs["flatrl_n8_threadsall"]["cfg"] == {"generate_threads": 0}
+    assert runs["flatrl_n8_threadsall"]["logprobs"] == runs["flatrl_n8_call"]["logprobs"]
+    assert r["ratios"]["flatrl_n8_call_vs_flatrl_n8_onrollouts"] > 0
     # `#2`: bare_n8 again, its own call and entry; no device clocks on the CPU
     assert runs["bare_n8#2"]["tokens"] == 4 * 2 * 16 and runs["bare_n8#2"]["logprobs"] is None
     # a ratio takes a run with its repeats: bare_n8's tokens over its two calls' seconds
@@ -93,14 +102,14 @@ def test_bench_rollout(tmp_path, work):
     assert r["ratios"]["flatrl_n8_call_vs_bare_n8"] == pytest.approx(call / (2 * 4 * 2 * 16 / both))
     assert all(v["gpu"] is None for v in runs.values())
     # by name: the push check's logprobs for 1 prompt (n=2) instead of --logprob-check-prompts
-    assert runs["flatrl_n8_check1"]["logprobs"] == {"logprob_check_prompts": 1, "samples_with_logprobs": 2}
+    assert runs["flatrl_n8_check1"]["logprobs"]["probes"] == 1
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
     assert runs["bare_n8_lp"]["tokens"] == runs["flatrl_n8_call"]["tokens"] == 4 * 2 * 16
     assert runs["flatrl_n8_all"]["tokens"] == 4 * 2 * 16
     assert runs["bare_n8"]["logprobs"] is None and runs["bare_n8_lp"]["logprobs"]["logprobs"] == 0
-    # --toy checks 2 of the 4 prompts (n=2): 4 samples carry logprobs; flatrl_n8_all all 8
-    assert runs["flatrl_n8_call"]["logprobs"] == {"logprob_check_prompts": 2, "samples_with_logprobs": 4}
-    assert runs["flatrl_n8_all"]["logprobs"] == {"logprob_check_prompts": -1, "samples_with_logprobs": 8}
+    # --toy checks 2 of the 4 prompts (flatrl_n8_call: on probes, above); flatrl_n8_all on all 8 samples, no probes
+    all_ = {"logprob_check_prompts": -1, "samples_with_logprobs": 8, "probes": 0, "probe_tokens": 0}
+    assert runs["flatrl_n8_all"]["logprobs"] == all_
     assert all(v["tok_per_s"] > 0 for v in runs.values())
     ratios = r["ratios"]
     for k in ("flatrl_n8_call_vs_bare_n8", "bare_n8_lp_vs_bare_n8", "flatrl_n8_all_vs_bare_n8_lp"):
@@ -317,7 +326,7 @@ def test_bench_rollout_refuses_an_unknown_run_before_the_engine(monkeypatch, cap
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import bench_rollout
 
-    good = "bare_n1,bare_n8_lp,bare_n8_lp8#2,bare_n8_probe8,flatrl_n8_check2#3,flatrl_n8_woken,flatrl_n8_threads1"
+    good = "bare_n1,bare_n8_lp,bare_n8_lp8#2,bare_n8_probe8,flatrl_n8_check2#3,flatrl_n8_woken,flatrl_n8_threadsall"
     assert bench_rollout.parse(["--runs", good]).runs == good
     for bad in ("bare_n8_lp0", "bare_n8_probe", "flatrl_n8_wokn", "bare_n8#"):
         with pytest.raises(SystemExit):

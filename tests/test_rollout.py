@@ -134,20 +134,27 @@ def max_logprob_err(
     return err
 
 
-def push_check(engine: rollout.Engine, trainer: torch.nn.Module, tol: float = 1e-3) -> dict[str, float]:
+def push_check(
+    engine: rollout.Engine, trainer: torch.nn.Module, tol: float = 1e-3, probed: bool = False
+) -> dict[str, float]:
     """grpo.py's push check on fresh samples of SIX: the trainer's logprobs (actor.compute_logprobs feeding an
-    actor.PushCheck) against the engine's, then PushCheck.result at `tol` (fp32 on CPU agrees to ~1e-6). Needs a
-    one-rank process group: the `one_rank` fixture's, or the one an in-process vLLM engine made."""
+    actor.PushCheck) against the engine's, then PushCheck.result at `tol` (fp32 on CPU agrees to ~1e-6); `probed`:
+    on the probes instead, as rl.check_push (the rollouts carry no logprobs then). Needs a one-rank process group:
+    the `one_rank` fixture's, or the one an in-process vLLM engine made."""
     import torch.distributed as dist
 
     import actor
     import rl
 
     assert dist.is_initialized() and dist.get_world_size() == 1
-    samples = rl.sample(engine, [{"prompt_ids": p} for p in SIX], rollout.SamplingConfig(n=2), 10, seed=3)
+    probes: list | None = [] if probed else None
+    prompts = [{"prompt_ids": p} for p in SIX]
+    samples = rl.sample(engine, prompts, rollout.SamplingConfig(n=2), 10, seed=3, probes=probes)
+    assert len(samples) == 2 * len(SIX)
     cpu = torch.device("cpu")
     check = actor.PushCheck(cpu)
-    actor.compute_logprobs(trainer, samples, actor.ActorConfig(), actor.Layout(False, 0, cpu), 1.0, check)
+    checked = probes if probed else samples
+    actor.compute_logprobs(trainer, checked, actor.ActorConfig(), actor.Layout(False, 0, cpu), 1.0, check)
     return check.result(tol, step=0)
 
 
@@ -167,9 +174,30 @@ def assert_subset_and_check_catches_stale(engine: rollout.Engine, tiny: Path, to
 
     metrics = push_check(engine, model, tol)
     assert metrics["rollout/logprob_diff_max"] < tol
+
+    # probes (rollout.logprob_check_tokens, here 4 of the 10 tokens): the rollouts carry no logprobs, one probe
+    # each for prompts 0 and 3 follows them, n=1, with the pushed model's logprobs
+    engine.cfg = dataclasses.replace(engine.cfg, logprob_check_tokens=4)
+    out = engine.generate(SIX, rollout.SamplingConfig(n=3), max_tokens=10, seed=7, probes=True)
+    rollouts, probes = out[: 3 * len(SIX)], out[3 * len(SIX) :]
+    assert not any(s.probe for s in rollouts) and all(s.logprobs is None for s in rollouts)
+    assert [s.prompt_index for s in rollouts] == [i for i in range(len(SIX)) for _ in range(3)]
+    assert [(s.prompt_index, s.probe) for s in probes] == [(0, True), (3, True)]
+    assert all(1 <= len(s.response_ids) <= 4 and len(s.logprobs) == len(s.response_ids) for s in probes)
+    assert max_logprob_err(model, probes, SIX) < tol
+    assert push_check(engine, model, tol, probed=True)["rollout/logprob_diff_max"] < tol
+    # every prompt checked (-1): the rollouts carry them, no probes
+    engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=-1)
+    out = engine.generate(SIX, rollout.SamplingConfig(n=1), max_tokens=10, seed=7, probes=True)
+    assert len(out) == len(SIX) and all(s.logprobs is not None and not s.probe for s in out)
+    engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=2)
+
     perturb(model, seed=6)  # the trainer's update, not pushed: a stale engine
     with pytest.raises(RuntimeError, match="not running the trained weights"):
         push_check(engine, model, tol)
+    with pytest.raises(RuntimeError, match="not running the trained weights"):
+        push_check(engine, model, tol, probed=True)
+    engine.cfg = dataclasses.replace(engine.cfg, logprob_check_tokens=32)
 
 
 def test_check_prompt_indices_and_config() -> None:
@@ -206,6 +234,8 @@ def test_push_check_refuses_samples_without_engine_logprobs(one_rank) -> None:
     lp = samples[1].old_logprobs
     assert abs(m["rollout/logprob_diff_mean"] - float(lp.abs().mean())) < 1e-6
     assert samples[0].old_logprobs is not None  # every sample still gets the trainer's old logprobs
+    # checked on probes (rl.check_push): the rollouts' check reports the entropy alone, whatever they carry
+    assert set(check.result(tol=10.0, step=0, probed=True)) == {"actor/entropy"}
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +330,11 @@ def test_vllm_logprob_subset_and_push_check(vllm_engine, tiny: Path) -> None:
         engine.cfg = dataclasses.replace(engine.cfg, per_request_seeds=True)  # one SamplingParams per prompt
         out = engine.generate(SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7)
         assert [s.prompt_index for s in out if s.logprobs is not None] == [0, 0, 3, 3]
+        out = engine.generate(
+            SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7, probes=True
+        )  # seeded too
+        assert [s.prompt_index for s in out if s.logprobs is not None] == [0, 3]
+        assert [s.prompt_index for s in out if s.probe] == [0, 3] and len(out) == 2 * len(SIX) + 2
     finally:
         engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=8, per_request_seeds=False)
 
