@@ -21,8 +21,8 @@ def _run(toy_dir, run_dir, monkeypatch, *, async_steps: int, lr: float, steps: i
     (every rollout batch generated, by the step it trains), "rows": metrics.jsonl's lines}."""
     responses: dict[int, list[list[int]]] = {}
 
-    def recording(run, engine, prompts, mine, step):
-        samples, mine_prompts = GENERATE(run, engine, prompts, mine, step)
+    def recording(run, engine, prompts, mine, step, **kw):
+        samples, mine_prompts = GENERATE(run, engine, prompts, mine, step, **kw)
         responses[step] = [s.response_ids for s in samples]
         return samples, mine_prompts
 
