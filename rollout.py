@@ -286,6 +286,18 @@ def check_prompt_indices(num_prompts: int, logprob_check_prompts: int) -> list[i
     return sorted({i * num_prompts // k for i in range(k)})
 
 
+def host_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds so far, all threads; the machine's steal seconds so far, summed over its CPUs: the
+    time a virtual machine's CPUs were runnable but the hypervisor ran others, /proc/stat's eighth field; 0.0
+    without /proc/stat). Differences of two readings time a block."""
+    steal = 0.0
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        with open("/proc/stat") as f:
+            fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+        steal = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    return time.process_time(), steal
+
+
 def uses_probes(cfg: RolloutConfig) -> bool:
     """Whether generate(probes=True) adds probe requests (RolloutConfig.logprob_check_tokens), or leaves the
     logprobs on the checked prompts' rollouts (logprob_check_tokens 0, or every prompt checked)."""
@@ -583,6 +595,7 @@ class VLLMEngine:
             params += [SamplingParams(**probe_kwargs, **with_lp) for _ in probed]
         call_seeded = seed is not None and not greedy and not per_request
         requests = [{"prompt_token_ids": list(prompts[i])} for i in [*range(len(prompts)), *probed]]
+        host0 = host_seconds()
         t1 = time.perf_counter()
         with (
             watchdog.deadline("generate", self.cfg.timeout_s),
@@ -591,6 +604,7 @@ class VLLMEngine:
         ):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         t2 = time.perf_counter()
+        cpu, steal = (end - start for start, end in zip(host0, host_seconds(), strict=True))
         samples = []
         for r, out in enumerate(outputs):
             probe = r >= len(prompts)
@@ -610,6 +624,7 @@ class VLLMEngine:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 samples.append(Completion(i, ids, logprobs, c.finish_reason, probe))
         parts = dict(wake=t_wake, params=t1 - t0 - t_wake, engine=t2 - t1, outputs=time.perf_counter() - t2)
+        parts |= dict(engine_cpu=cpu, engine_steal=steal)
         for k, v in parts.items():
             self.call_s[k] = self.call_s.get(k, 0.0) + v
         return samples
@@ -638,8 +653,11 @@ class VLLMEngine:
     def pop_call_seconds(self) -> dict[str, float]:
         """generate()'s seconds since the last pop, summed over its calls, in parts: `wake` (the engine's wake from
         a sleep, when generate woke it), `params` (the sampling parameters, one per prompt), `engine` (vLLM's
-        `LLM.generate`: scheduling, the model, sampling, output processing) and `outputs` (the Completions).
-        rl.finish_step logs them as perf/gen_<part>_s: the generation phase against bare vLLM's call."""
+        `LLM.generate`: scheduling, the model, sampling, output processing) and `outputs` (the Completions); and,
+        not parts of the wall time, during `LLM.generate`: `engine_cpu`, this process's CPU seconds (all its
+        threads), and `engine_steal`, the seconds the host's hypervisor gave this machine's CPUs to others
+        (`host_seconds`): which of "more work" and "a slower host" a slow call had. rl.finish_step logs them as
+        perf/gen_<part>_s: the generation phase against bare vLLM's call."""
         out, self.call_s = self.call_s, {}
         return out
 

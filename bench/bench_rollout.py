@@ -46,7 +46,8 @@ A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so ru
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
 the one before, 5.40, 5.54, 6.02 s at 0.5B).
 
-Each run's entry: sequences, tokens, seconds, tok_per_s, and `logprobs` (bare: the SamplingParams.logprobs asked;
+Each run's entry: sequences, tokens, seconds, tok_per_s, `host` (this process's CPU seconds and the machine's
+steal seconds during the run, rollout.host_seconds), and `logprobs` (bare: the SamplingParams.logprobs asked;
 flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them), and
 `gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by the power limit or by
 heat during the run (common.clock_summary; None off CUDA or without NVML).
@@ -195,6 +196,7 @@ def main(args: argparse.Namespace) -> dict:
     with common.ClockWatch() as clocks:
         for name in args.runs.split(","):
             base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
+            host0 = rollout.host_seconds()
             t0 = time.perf_counter()
             if base in ("bare_n1", "bare_n8") or base.startswith("bare_n8_lp"):
                 n = 1 if base == "bare_n1" else args.n
@@ -232,6 +234,9 @@ def main(args: argparse.Namespace) -> dict:
                 raise ValueError(f"unknown run {name!r}")
             # the device's SM clock, heat and power during the run (None off CUDA or without NVML)
             runs[name]["gpu"] = common.clock_summary(clocks.samples, t0, time.perf_counter())
+            # this process's CPU seconds and the host's steal seconds during the run: more work, or a slower host
+            cpu, steal = (end - start for start, end in zip(host0, rollout.host_seconds(), strict=True))
+            runs[name]["host"] = {"cpu_s": round(cpu, 3), "steal_s": round(steal, 3)}
             print(name, runs[name], flush=True)
     engine.shutdown()
 

@@ -313,8 +313,12 @@ def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> 
     assert len(out) == 4 and all(1 <= len(s.response_ids) <= 8 for s in out)
     # the call's seconds in parts (perf/gen_<part>_s), summed over calls until popped
     once = engine.pop_call_seconds()
-    assert set(once) == {"wake", "params", "engine", "outputs"} and once["engine"] > 0
-    assert min(once.values()) >= 0 and engine.pop_call_seconds() == {}
+    assert set(once) == {"wake", "params", "engine", "outputs", "engine_cpu", "engine_steal"}
+    assert once["engine"] > 0 and min(once.values()) >= 0 and engine.pop_call_seconds() == {}
+    # the process's CPU seconds during vLLM's call: its engine runs in this process, so they are some
+    assert once["engine_cpu"] > 0.01 * once["engine"]
+    cpu, steal = rollout.host_seconds()
+    assert cpu > 0 and steal >= 0
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op and serving wants 1 thread: both undone.
     assert threads_after == 2
     torch.set_num_threads(1)
