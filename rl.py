@@ -467,9 +467,8 @@ def sample(
     out = engine.generate(ids, sampling, max_tokens, seed=seed, probes=probes is not None)
     samples = []
     for o in out:
-        response = o.response_ids or [
-            0
-        ]  # an empty response cannot be scored by logprob; vLLM never returns one
+        # an empty response cannot be scored by logprob; vLLM never returns one
+        response = o.response_ids or [0]
         s = actor.Sample(ids[o.prompt_index], response, o.logprobs, o.finish_reason, o.prompt_index)
         (probes if o.probe else samples).append(s)  # probes is a list whenever the engine returns one
     return samples
