@@ -77,6 +77,7 @@ import gc
 import inspect
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -286,16 +287,19 @@ def check_prompt_indices(num_prompts: int, logprob_check_prompts: int) -> list[i
     return sorted({i * num_prompts // k for i in range(k)})
 
 
-def host_seconds() -> tuple[float, float]:
+def host_seconds() -> tuple[float, float, float]:
     """(this process's CPU seconds so far, all threads; the machine's steal seconds so far, summed over its CPUs: the
-    time a virtual machine's CPUs were runnable but the hypervisor ran others, /proc/stat's eighth field; 0.0
-    without /proc/stat). Differences of two readings time a block."""
+    time a virtual machine's CPUs were runnable but the hypervisor ran others, /proc/stat's eighth field, 0.0
+    without /proc/stat; torch.compile's compiling seconds so far in this process, its recompilations included,
+    0.0 before torch._dynamo was imported). Differences of two readings time a block."""
     steal = 0.0
     with contextlib.suppress(OSError, IndexError, ValueError):
         with open("/proc/stat") as f:
             fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
         steal = int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    return time.process_time(), steal
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    times = getattr(dynamo, "compilation_time_metrics", {})
+    return time.process_time(), steal, float(sum(times.get("_compile.compile_inner", ())))
 
 
 def uses_probes(cfg: RolloutConfig) -> bool:
@@ -604,7 +608,7 @@ class VLLMEngine:
         ):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         t2 = time.perf_counter()
-        cpu, steal = (end - start for start, end in zip(host0, host_seconds(), strict=True))
+        cpu, steal, compiling = (end - start for start, end in zip(host0, host_seconds(), strict=True))
         samples = []
         for r, out in enumerate(outputs):
             probe = r >= len(prompts)
@@ -624,7 +628,7 @@ class VLLMEngine:
                     logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
                 samples.append(Completion(i, ids, logprobs, c.finish_reason, probe))
         parts = dict(wake=t_wake, params=t1 - t0 - t_wake, engine=t2 - t1, outputs=time.perf_counter() - t2)
-        parts |= dict(engine_cpu=cpu, engine_steal=steal)
+        parts |= dict(engine_cpu=cpu, engine_steal=steal, engine_compile=compiling)
         for k, v in parts.items():
             self.call_s[k] = self.call_s.get(k, 0.0) + v
         return samples
@@ -655,8 +659,10 @@ class VLLMEngine:
         a sleep, when generate woke it), `params` (the sampling parameters, one per prompt), `engine` (vLLM's
         `LLM.generate`: scheduling, the model, sampling, output processing) and `outputs` (the Completions); and,
         not parts of the wall time, during `LLM.generate`: `engine_cpu`, this process's CPU seconds (all its
-        threads), and `engine_steal`, the seconds the host's hypervisor gave this machine's CPUs to others
-        (`host_seconds`): which of "more work" and "a slower host" a slow call had. rl.finish_step logs them as
+        threads), `engine_steal`, the seconds the host's hypervisor gave this machine's CPUs to others, and
+        `engine_compile`, torch.compile's compiling in this process (vLLM compiles a few sampler functions when
+        first called; the trainer's compiled layers share dynamo with them) (`host_seconds`): which of "more
+        work", "a slower host" and "recompiling" a slow call had. rl.finish_step logs them as
         perf/gen_<part>_s: the generation phase against bare vLLM's call."""
         out, self.call_s = self.call_s, {}
         return out

@@ -246,11 +246,12 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "phases_s": phases, "gen_parts_s": gen_parts, "gc_s_by_phase": gc_s,
         # each step's generation phase after the first: the spread behind the median that meets bare vLLM's figure
         "gen_s_each": [r["timing_s/gen"] for r in rows[1:] if "timing_s/gen" in r],
-        # and, in the same steps, vLLM's call, this process's CPU seconds in it, and the host's steal time (a slower
-        # call with as much CPU and more steal: the host; with more CPU: more work in this process)
+        # and, in the same steps, vLLM's call, this process's CPU seconds in it, the host's steal time and
+        # torch.compile's compiling (a slower call with as much CPU and more steal: the host; with more CPU: more
+        # work in this process; with compiling: recompilations)
         "gen_call_each": {
             part: [r[f"perf/gen_{part}_s"] for r in rows[1:] if f"perf/gen_{part}_s" in r]
-            for part in ("engine", "engine_cpu", "engine_steal")
+            for part in ("engine", "engine_cpu", "engine_steal", "engine_compile")
         },
         "gc_full_collections": sum(r.get("perf/gc/full_collections", 0) for r in rows),
         "mfu": statistics.median(r.get("perf/mfu", 0) for r in rows),

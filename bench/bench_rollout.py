@@ -46,8 +46,8 @@ A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so ru
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
 the one before, 5.40, 5.54, 6.02 s at 0.5B).
 
-Each run's entry: sequences, tokens, seconds, tok_per_s, `host` (this process's CPU seconds and the machine's
-steal seconds during the run, rollout.host_seconds), and `logprobs` (bare: the SamplingParams.logprobs asked;
+Each run's entry: sequences, tokens, seconds, tok_per_s, `host` (this process's CPU seconds, the machine's
+steal seconds and torch.compile's compiling seconds during the run, rollout.host_seconds), and `logprobs` (bare: the SamplingParams.logprobs asked;
 flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them), and
 `gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by the power limit or by
 heat during the run (common.clock_summary; None off CUDA or without NVML).
@@ -235,8 +235,14 @@ def main(args: argparse.Namespace) -> dict:
             # the device's SM clock, heat and power during the run (None off CUDA or without NVML)
             runs[name]["gpu"] = common.clock_summary(clocks.samples, t0, time.perf_counter())
             # this process's CPU seconds and the host's steal seconds during the run: more work, or a slower host
-            cpu, steal = (end - start for start, end in zip(host0, rollout.host_seconds(), strict=True))
-            runs[name]["host"] = {"cpu_s": round(cpu, 3), "steal_s": round(steal, 3)}
+            cpu, steal, compiling = (
+                end - start for start, end in zip(host0, rollout.host_seconds(), strict=True)
+            )
+            runs[name]["host"] = {
+                "cpu_s": round(cpu, 3),
+                "steal_s": round(steal, 3),
+                "compile_s": round(compiling, 3),
+            }
             print(name, runs[name], flush=True)
     engine.shutdown()
 

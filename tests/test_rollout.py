@@ -200,6 +200,17 @@ def assert_subset_and_check_catches_stale(engine: rollout.Engine, tiny: Path, to
     engine.cfg = dataclasses.replace(engine.cfg, logprob_check_tokens=32)
 
 
+def test_host_seconds_counts_cpu_and_compiling() -> None:
+    cpu, steal, compiling = rollout.host_seconds()
+    torch.compile(lambda x: (x >= x.mean()).sum(-1), backend="eager")(
+        torch.randn(64, 512)
+    )  # a first call compiles
+    sum(i * i for i in range(300_000))  # some CPU
+    cpu2, steal2, compiling2 = rollout.host_seconds()
+    assert cpu2 > cpu and steal2 >= steal and compiling2 > compiling
+    torch._dynamo.reset()
+
+
 def test_check_prompt_indices_and_config() -> None:
     assert rollout.check_prompt_indices(10, 4) == [0, 2, 5, 7]  # evenly spaced
     assert rollout.check_prompt_indices(10, 1) == [0]
@@ -313,12 +324,20 @@ def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> 
     assert len(out) == 4 and all(1 <= len(s.response_ids) <= 8 for s in out)
     # the call's seconds in parts (perf/gen_<part>_s), summed over calls until popped
     once = engine.pop_call_seconds()
-    assert set(once) == {"wake", "params", "engine", "outputs", "engine_cpu", "engine_steal"}
+    assert set(once) == {
+        "wake",
+        "params",
+        "engine",
+        "outputs",
+        "engine_cpu",
+        "engine_steal",
+        "engine_compile",
+    }
     assert once["engine"] > 0 and min(once.values()) >= 0 and engine.pop_call_seconds() == {}
     # the process's CPU seconds during vLLM's call: its engine runs in this process, so they are some
     assert once["engine_cpu"] > 0.01 * once["engine"]
-    cpu, steal = rollout.host_seconds()
-    assert cpu > 0 and steal >= 0
+    cpu, steal, compiling = rollout.host_seconds()
+    assert cpu > 0 and steal >= 0 and compiling >= 0
     # vLLM's CPU worker replaces torch.set_num_threads by a no-op and serving wants 1 thread: both undone.
     assert threads_after == 2
     torch.set_num_threads(1)
