@@ -623,7 +623,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     run's vLLM share and lengths, so its seconds are the floor of any framework's generation phase here. Its
     ratios: flatrl's generation against it (the target: within 10%), and its share of each step (what a step with
     generation in series cannot go under). On that engine too, flatrl's engine.generate with its defaults
-    (bench_rollout.py's flatrl_n8_call, the logprobs of rollout.logprob_check_prompts prompts): `flatrl_generate_s`,
+    (bench_rollout.py's flatrl_n8_call, the push check's probes since 5859645): `flatrl_generate_s`,
     flatrl's generation outside the trainer's process; and with the check's logprobs for 2 prompts
     (`flatrl_generate_check2_s`); bare vLLM asking the same logprobs as flatrl's call (`bare_lp_check_s`: vLLM's
     own cost of the check) and asking them of as many short extra requests instead (`bare_probe_check_s`: what a

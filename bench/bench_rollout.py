@@ -5,8 +5,7 @@ construction; they are printed under `engine`): "bare" calls `engine.llm.generat
 `SamplingParams(n, temperature=1, max_tokens, ignore_eos=True, detokenize=False)`, as a user of vLLM would;
 "flatrl" calls `engine.generate` as rl.generate does, which adds what training needs (the push check's probes: one
 short request with the engine's logprobs for each of `rollout.logprob_check_prompts` prompts; a seed; Completion
-objects). Fixed lengths (`ignore_eos`), random token
-prompts, the prefix cache reset before every run.
+objects). Fixed lengths (`ignore_eos`), random token prompts, the prefix cache reset before every run.
 
 Runs (generated tokens / wall seconds of one generate call):
     bare_n1           P prompts, n=1, no logprobs   the issue's reference: flatrl n=8 should reach 0.9 of it
@@ -46,13 +45,13 @@ A name may end in `#k` (`bare_n8#2`): the same run again, under that name, so ru
 one after another on one engine drift (2026-12-06, 01e8306: three calls in a row on the H100 each slower than
 the one before, 5.40, 5.54, 6.02 s at 0.5B).
 
-Each run's entry: sequences, tokens, seconds, tok_per_s, `host` (this process's CPU seconds, the machine's
-steal seconds and torch.compile's compiling seconds during the run, rollout.host_seconds), and `logprobs` (bare: the SamplingParams.logprobs asked;
-flatrl: the logprob_check_prompts used and `samples_with_logprobs`, the Samples that came back with them), and
-`gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by the power limit or by
-heat during the run (common.clock_summary; None off CUDA or without NVML).
-`ratios` divides tok_per_s of two runs of this one engine, each with its `#k` repeats (their tokens over their
-seconds; None when one of them did not run).
+Each run's entry: sequences, tokens, seconds, tok_per_s, `host` (this process's CPU seconds, the machine's steal
+seconds and torch.compile's compiling seconds during the run, rollout.host_seconds), and `logprobs` (bare: the
+SamplingParams.logprobs asked; flatrl: the logprob_check_prompts used, `samples_with_logprobs`, the rollouts that
+came back with them, and the check's `probes` and their `probe_tokens`), and `gpu`: the device's SM clock, temperature, power and the share of NVML samples slowed by
+the power limit or by heat during the run (common.clock_summary; None off CUDA or without NVML). `ratios` divides
+tok_per_s of two runs of this one engine, each with its `#k` repeats (their tokens over their seconds; None when
+one of them did not run).
 
     python bench/bench_rollout.py --model 0.5b --out $OUT/rollout_0.5b.json      # H200: ~3.5 min
     python bench/bench_rollout.py --toy --out /tmp/rollout_toy.json               # CPU: ~30 s
@@ -234,7 +233,8 @@ def main(args: argparse.Namespace) -> dict:
                 raise ValueError(f"unknown run {name!r}")
             # the device's SM clock, heat and power during the run (None off CUDA or without NVML)
             runs[name]["gpu"] = common.clock_summary(clocks.samples, t0, time.perf_counter())
-            # this process's CPU seconds and the host's steal seconds during the run: more work, or a slower host
+            # this process's CPU, the host's steal and torch.compile's seconds during the run: more work, a slower
+            # host, or compiling
             cpu, steal, compiling = (
                 end - start for start, end in zip(host0, rollout.host_seconds(), strict=True)
             )

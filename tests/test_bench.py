@@ -157,15 +157,7 @@ def test_bench_e2e(tmp_path, work):
     assert max(f["gc_s_by_phase"].values()) == f["gc_s_by_phase"]["step"] and f["gc_full_collections"] >= 0
     # the generation phase in parts (perf/gen_*_s): vLLM's own call is most of it, and no part exceeds it
     parts, gen = f["gen_parts_s"], f["phases_s"]["gen"]
-    assert set(parts) == {
-        "wake",
-        "params",
-        "engine",
-        "outputs",
-        "engine_cpu",
-        "engine_steal",
-        "engine_compile",
-    }
+    assert set(parts) == set("wake params engine outputs engine_cpu engine_steal engine_compile".split())
     wall = [parts[k] for k in ("wake", "params", "engine", "outputs")]  # the others are CPU seconds
     assert 0.5 * gen < parts["engine"] <= gen and max(wall) <= gen and parts["engine_cpu"] > 0
     assert len(f["gen_s_each"]) == 1 and f["gen_s_each"][0] == gen  # the steps after the first, each

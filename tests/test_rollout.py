@@ -324,15 +324,7 @@ def test_vllm_free_cache_engine_off_on_cpu_and_threads_restored(vllm_engine) -> 
     assert len(out) == 4 and all(1 <= len(s.response_ids) <= 8 for s in out)
     # the call's seconds in parts (perf/gen_<part>_s), summed over calls until popped
     once = engine.pop_call_seconds()
-    assert set(once) == {
-        "wake",
-        "params",
-        "engine",
-        "outputs",
-        "engine_cpu",
-        "engine_steal",
-        "engine_compile",
-    }
+    assert set(once) == set("wake params engine outputs engine_cpu engine_steal engine_compile".split())
     assert once["engine"] > 0 and min(once.values()) >= 0 and engine.pop_call_seconds() == {}
     # the process's CPU seconds during vLLM's call: its engine runs in this process, so they are some
     assert once["engine_cpu"] > 0.01 * once["engine"]
