@@ -202,9 +202,8 @@ def assert_subset_and_check_catches_stale(engine: rollout.Engine, tiny: Path, to
 
 def test_host_seconds_counts_cpu_and_compiling() -> None:
     cpu, steal, compiling = rollout.host_seconds()
-    torch.compile(lambda x: (x >= x.mean()).sum(-1), backend="eager")(
-        torch.randn(64, 512)
-    )  # a first call compiles
+    count = torch.compile(lambda x: (x >= x.mean()).sum(-1), backend="eager")
+    count(torch.randn(64, 512))  # a first call compiles
     sum(i * i for i in range(300_000))  # some CPU
     cpu2, steal2, compiling2 = rollout.host_seconds()
     assert cpu2 > cpu and steal2 >= steal and compiling2 > compiling
@@ -345,13 +344,15 @@ def test_vllm_logprob_subset_and_push_check(vllm_engine, tiny: Path) -> None:
         engine.cfg = dataclasses.replace(engine.cfg, per_request_seeds=True)  # one SamplingParams per prompt
         out = engine.generate(SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7)
         assert [s.prompt_index for s in out if s.logprobs is not None] == [0, 0, 3, 3]
-        out = engine.generate(
-            SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7, probes=True
-        )  # seeded too
+        # the probes seeded per request too
+        out = engine.generate(SIX, rollout.SamplingConfig(n=2), max_tokens=6, seed=7, probes=True)
         assert [s.prompt_index for s in out if s.logprobs is not None] == [0, 3]
         assert [s.prompt_index for s in out if s.probe] == [0, 3] and len(out) == 2 * len(SIX) + 2
     finally:
-        engine.cfg = dataclasses.replace(engine.cfg, logprob_check_prompts=8, per_request_seeds=False)
+        # the module's engine back to the defaults, whatever failed above
+        engine.cfg = dataclasses.replace(
+            engine.cfg, logprob_check_prompts=8, logprob_check_tokens=32, per_request_seeds=False
+        )
 
 
 def test_hf_engine_push_logprobs_and_seeding(tiny: Path) -> None:
