@@ -90,6 +90,7 @@ from pathlib import Path
 
 import common
 import e2e_verl
+import gen_profile
 import torch
 
 import rollout
@@ -188,6 +189,11 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "--config",
         flatrl_config(args, model, data, run_dir),
     ]
+    # --profile-gen: each vLLM call's sampled stacks (gen_profile.py)
+    profile = Path(run_dir, "gen_profile.jsonl")
+    profile.unlink(missing_ok=True)
+    if args.profile_gen:
+        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), "--"]
     # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -264,6 +270,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
         "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
+    if args.profile_gen:  # every vLLM call of the run: the first step's, then one per later step
+        out["gen_profile"] = [json.loads(x) for x in profile.read_text().splitlines() if x]
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
         out["plan_check_gib"] = plan_check(
@@ -648,6 +656,7 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
     if args.model == "smollm2" or args.toy:
         flags["--model-path"] = model
     cmd = [sys.executable, str(BENCH / "bench_rollout.py"), *(str(x) for fv in flags.items() for x in fv)]
+    cmd += ["--profile-gen"] if args.profile_gen else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -679,6 +688,11 @@ def run_bare(args: argparse.Namespace, model: str, work: str) -> dict:
         "tokens": run["tokens"],
         # the SM clock, heat, power and slowed shares during each call (None where NVML is not there)
         "gpu_by_run": {k: v.get("gpu") for k, v in runs.items()},
+        # this process's CPU, the host's steal and torch.compile's seconds in each call (rollout.host_seconds), to
+        # set beside flatrl's gen_call_each
+        "host_by_run": {k: v.get("host") for k, v in runs.items()},
+        # --profile-gen: each call's sampled stacks (gen_profile.py)
+        **({"profile_by_run": {k: v.get("profile") for k, v in runs.items()}} if args.profile_gen else {}),
         "engine_start_s": r["engine_start_s"],
         "engine": r["engine"],
         "command": cmd,
@@ -826,6 +840,9 @@ def write_json(result: dict, out: str | None) -> None:
     """The result with the ratios of what has run so far into `out`, whole or not at all (a temporary file renamed
     over it): a kill mid-write leaves the previous version."""
     result["ratios"] = ratios(result["flatrl"], result["trl"], result["verl"], result.get("bare_vllm"))
+    split = profile_split(result["flatrl"], result.get("bare_vllm") or {})
+    if split:
+        result["gen_profile_loop_vs_alone"] = split
     if not out:
         return
     path = Path(out)
@@ -879,10 +896,34 @@ def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dic
     return out
 
 
+def profile_split(flatrl: dict, bare: dict) -> dict | None:
+    """--profile-gen: grpo.py's vLLM calls after the first step's against flatrl's call alone (bench_rollout's
+    flatrl_n8_call and its repeat), function by function, in seconds (gen_profile.compare): where the loop's extra
+    call time goes. Rows [function, loop s, alone s, difference], largest differences first; None without both."""
+    loop = (flatrl.get("gen_profile") or [])[1:]  # the first step's call pays first-call costs
+    alone = [
+        p
+        for k, p in (bare.get("profile_by_run") or {}).items()
+        if k.partition("#")[0] == "flatrl_n8_call" and p
+    ]
+    if not loop or not alone:
+        return None
+    mean = lambda calls: sum(c["seconds"] for c in calls) / len(calls)  # noqa: E731
+    return {
+        "seconds": [round(mean(loop), 3), round(mean(alone), 3)],
+        "self_s": gen_profile.compare(
+            gen_profile.mean_profile(loop, "self_s"), gen_profile.mean_profile(alone, "self_s")
+        ),
+        "inclusive_s": gen_profile.compare(gen_profile.mean_profile(loop), gen_profile.mean_profile(alone)),
+    }
+
+
 # Tokens per update micro-batch, and TRL's sequences per micro-batch, by shape (None: the random-init Qwen shapes).
 # smollm2: configs/grpo_*_smollm2.yaml's ppo_max_token_len_per_gpu; bench_update measured 78k tok/s there on the
 # H200 against 36k tok/s for bench_e2e's flatrl update at 16,384. 64 x (256 + 512) = 49,152 tokens for TRL.
 TOKEN_BUDGET = {"smollm2": 65536, None: 16384}
+# The shape's defaults: 64 prompts x 8, 256 + 512 tokens, 4 steps (the first reported apart)
+SHAPE = dict(num_prompts=64, n=8, prompt_len=256, response_len=512, steps=4)
 TRL_BATCH = {"smollm2": 64, None: 16}
 # flatrl's own flags (set or not), refused where flatrl does not run.
 FLATRL_ONLY = {
@@ -897,6 +938,7 @@ FLATRL_ONLY = {
     "--per-request-seeds": lambda a: a.per_request_seeds,
     "--async-steps": lambda a: a.async_steps,
     "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
+    "--profile-gen": lambda a: a.profile_gen,
 }
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
@@ -941,12 +983,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="random-init Qwen2.5 shapes (bench/common.py), or smollm2: the real SmolLM2-135M-Instruct at "
         "--model-path with LoRA rank 32 and gradient checkpointing in every framework; toy: as --toy",
     )
-    p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model and task, flatrl only")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--response-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=4, help="flatrl steps (the first is reported apart)")
+    p.add_argument(
+        "--toy",
+        action="store_true",
+        help="CPU smoke run: toy model and task, flatrl only; the shape flags below default to 4, 2, 32, 8, 2 steps",
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="64 (toy: 4)")
+    p.add_argument("--n", type=int, default=None, help="8 (toy: 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="256 (toy: 32)")
+    p.add_argument("--response-len", type=int, default=None, help="512 (toy: 8)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="flatrl steps, the first reported apart: 4 (toy: 2)"
+    )
     p.add_argument("--trl-steps", type=int, default=3)
     p.add_argument(
         "--token-budget",
@@ -1031,6 +1079,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="flatrl with rollout.per_request_seeds: a generator per prompt instead of one seeded per call",
     )
     p.add_argument(
+        "--profile-gen",
+        action="store_true",
+        help="sample the Python stack during every vLLM generate call (bench/gen_profile.py), in grpo.py's loop and "
+        "in the bare runs: flatrl's gen_profile, bare_vllm's profile_by_run, and gen_profile_loop_vs_alone",
+    )
+    p.add_argument(
         "--peers",
         default="trl",
         type=lambda v: [x for x in v.split(",") if x],
@@ -1104,9 +1158,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.skip_trl:
         args.peers = [x for x in args.peers if x != "trl"]
     args.toy = args.toy or args.model == "toy"  # `--model toy` is the CPU smoke run too, not its own shape
+    # the shape's defaults where a flag was not given: a given one is honoured, toy or not
+    shape_defaults = dict(num_prompts=4, n=2, prompt_len=32, response_len=8, steps=2) if args.toy else SHAPE
+    for key, value in shape_defaults.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.toy:
-        args.model, args.num_prompts, args.n, args.prompt_len, args.response_len = "toy", 4, 2, 32, 8
-        args.steps, args.token_budget = 2, args.token_budget or 512
+        args.model, args.token_budget = "toy", args.token_budget or 512
     shape = args.model if args.model in TOKEN_BUDGET else None
     args.token_budget = args.token_budget or TOKEN_BUDGET[shape]
     args.trl_per_device_batch = args.trl_per_device_batch or min(TRL_BATCH[shape], args.num_prompts * args.n)

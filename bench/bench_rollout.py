@@ -67,6 +67,7 @@ import time
 from typing import Any
 
 import common
+import gen_profile
 from common import Clock
 from transformers import AutoConfig
 
@@ -192,9 +193,12 @@ def main(args: argparse.Namespace) -> dict:
     run_flatrl(engine, prompts[:2], 2, 8, False, 1)
     run_bare(engine, prompts, args.n, args.response_len, 0)
     runs = {}
+    # --profile-gen: each vLLM call's sampled stacks from here on
+    calls = gen_profile.install() if args.profile_gen else None
     with common.ClockWatch() as clocks:
         for name in args.runs.split(","):
             base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
+            first_call = len(calls) if calls is not None else 0
             host0 = rollout.host_seconds()
             t0 = time.perf_counter()
             if base in ("bare_n1", "bare_n8") or base.startswith("bare_n8_lp"):
@@ -243,6 +247,10 @@ def main(args: argparse.Namespace) -> dict:
                 "steal_s": round(steal, 3),
                 "compile_s": round(compiling, 3),
             }
+            if (
+                calls is not None
+            ):  # the run's one vLLM call (bench_e2e.profile_split sets it beside grpo.py's)
+                runs[name]["profile"] = calls[-1] if len(calls) == first_call + 1 else None
             print(name, runs[name], flush=True)
     engine.shutdown()
 
@@ -302,20 +310,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-path", default=None,
         help="a model folder instead of building --model's (smollm2 needs it: the real SmolLM2-135M-Instruct)",
     )  # fmt: skip
-    p.add_argument("--toy", action="store_true", help="CPU smoke run: toy model, 4 prompts x 16 + 16 tokens")
     p.add_argument(
-        "--num-prompts", type=int, default=256, help="256 x n=8: 2048 sequences, four batches of 512"
+        "--toy",
+        action="store_true",
+        help="CPU smoke run: toy model; the shape flags below then default to 4 prompts x 2 of 16 + 16 tokens, 16 "
+        "sequences, 2 checked prompts",
     )
-    p.add_argument("--prompt-len", type=int, default=256, help="tokens")
-    p.add_argument("--response-len", type=int, default=512, help="tokens, every response (ignore_eos)")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt of the n=8 runs")
-    p.add_argument("--max-num-seqs", type=int, default=rollout.RolloutConfig.max_num_seqs)
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="256 x n=8: 2048 sequences, four batches of 512 (toy: 4)",
+    )
+    p.add_argument("--prompt-len", type=int, default=None, help="tokens: 256 (toy: 16)")
+    p.add_argument(
+        "--response-len", type=int, default=None, help="tokens, every response (ignore_eos): 512 (toy: 16)"
+    )
+    p.add_argument("--n", type=int, default=None, help="samples per prompt of the n=8 runs: 8 (toy: 2)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help=f"{rollout.RolloutConfig.max_num_seqs} (toy: 16)"
+    )
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=rollout.RolloutConfig.gpu_memory_utilization
     )
     p.add_argument(
-        "--logprob-check-prompts", type=int, default=rollout.RolloutConfig.logprob_check_prompts,
-        help="flatrl_n8_call's rollout.logprob_check_prompts",
+        "--logprob-check-prompts", type=int, default=None,
+        help=f"flatrl_n8_call's rollout.logprob_check_prompts: {rollout.RolloutConfig.logprob_check_prompts} (toy: 2, "
+        "so that the subset path runs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile-gen", action="store_true",
+        help="each run's vLLM call with its Python stack sampled (bench/gen_profile.py): the run's `profile`",
     )  # fmt: skip
     p.add_argument("--runs", default="bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all")
     p.add_argument("--workdir", default=None, help="where the model is built (reused); default a temp dir")
@@ -325,9 +350,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--runs: unknown run(s) {bad}; allowed (each may end in #k): {RUN_FORMS}")
     if args.model == "smollm2" and not args.model_path:
         p.error("--model smollm2 needs --model-path DIR (the real model's folder: scripts/get_smollm2.py)")
-    if args.toy:
-        args.model, args.num_prompts, args.prompt_len, args.response_len, args.n = "toy", 4, 16, 16, 2
-        args.max_num_seqs, args.logprob_check_prompts = 16, 2  # 2 of the 4 prompts: the subset path runs
+    defaults = dict(
+        num_prompts=256, prompt_len=256, response_len=512, n=8, max_num_seqs=rollout.RolloutConfig.max_num_seqs,
+        logprob_check_prompts=rollout.RolloutConfig.logprob_check_prompts,
+    )  # fmt: skip
+    if args.toy:  # a flag given is honoured
+        args.model = "toy"
+        defaults |= dict(
+            num_prompts=4, prompt_len=16, response_len=16, n=2, max_num_seqs=16, logprob_check_prompts=2
+        )
+    for key, value in defaults.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     return args
 
 

@@ -28,6 +28,9 @@
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
 #                                      $MODEL (0.5b; 1.5b is a run of its own)
+#   gen-profile (no carry, a job, ~5.5 min est. at 0.5b) flatrl's defaults and the bare runs (no TRL), every vLLM
+#                                      call's Python stack sampled (bench/gen_profile.py): where the loop's call
+#                                      spends its 1.136x of the call alone (d03c3d6)
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
 #   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
 #                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
@@ -234,6 +237,12 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
   start_job e2e-defaults-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
     --out "$jobs/e2e-defaults-$MODEL/e2e_defaults_$MODEL.json"
   follow_job
+elif [ "$part" = gen-profile ]; then  # where the loop's vLLM call spends the 1.136x of the call alone (d03c3d6, 0.5B):
+  # flatrl's defaults and the bare runs, every vLLM call's Python stack sampled (bench/gen_profile.py); the JSON's
+  # gen_profile_loop_vs_alone sets the two side by side, function by function (a job: part `wait` after)
+  start_job e2e-profile-$MODEL python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
+    --skip-trl --bare-vllm on --profile-gen --out "$jobs/e2e-profile-$MODEL/e2e_profile_$MODEL.json"
+  follow_job
 elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
   # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host
   start_job e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
@@ -344,6 +353,6 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
     --peers "$peers" "${verl_args[@]}" --out "$jobs/$name/e2e_smollm2.json"
   follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

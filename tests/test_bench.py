@@ -57,8 +57,13 @@ def test_bench_rollout(tmp_path, work):
     default_runs = "bare_n1,bare_n8,bare_n8_lp,flatrl_n8_call,flatrl_n8_all"
     more = ",flatrl_n8_check1,bare_n8#2,bare_n8_lp2,flatrl_n8_woken,bare_n8_probe2,flatrl_n8_threadsall"
     more += ",flatrl_n8_onrollouts"
-    r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more)
+    r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more, "--profile-gen")
     runs = r["runs"]
+    # --profile-gen: each run's one vLLM call, its sampled seconds mostly inside LLM.generate
+    for name, run in runs.items():
+        prof = run["profile"]
+        assert prof["seconds"] == pytest.approx(run["seconds"], rel=0.2, abs=0.05), name
+        assert prof["inclusive_s"]["vllm/entrypoints/llm.py:generate"] > 0.5 * prof["seconds"], name
     assert set(runs) == {
         "bare_n1",
         "bare_n8",
@@ -166,6 +171,21 @@ def test_bench_e2e(tmp_path, work):
     # CPU: no CUDA memory per phase; the console's memory lines are a list (vLLM's own where it logs them)
     assert f["outside_torch_by_phase_gib"] == {} and isinstance(f["memory_log"], list)
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
+
+
+@pytest.mark.slow
+def test_bench_e2e_profiles_grpos_generate_calls(tmp_path, work):
+    """--profile-gen: grpo.py runs under bench/gen_profile.py, and each step's vLLM call comes back profiled."""
+    r = run_bench("bench_e2e.py", tmp_path, work, "--profile-gen", "--steps", "3")
+    f = r["flatrl"]
+    assert "error" not in f, f.get("tail")
+    assert r["settings"]["steps"] == 3 and len(f["steps_s"]) == 3
+    calls = f["gen_profile"]
+    assert [c["call"] for c in calls] == [0, 1, 2]  # one call a step
+    for c, engine in zip(calls[1:], f["gen_call_each"]["engine"], strict=True):  # grpo.py's own timing of it
+        assert c["seconds"] == pytest.approx(engine, rel=0.25, abs=0.05)
+        assert c["inclusive_s"]["vllm/entrypoints/llm.py:generate"] > 0.5 * c["seconds"]
+    assert "gen_profile_loop_vs_alone" not in r  # no bare runs on the CPU
 
 
 # What grpo.py and TRL see of a benchmark folder: AutoTokenizer.from_pretrained over bench/common.py's config.json
