@@ -247,9 +247,8 @@ def main(args: argparse.Namespace) -> dict:
                 "steal_s": round(steal, 3),
                 "compile_s": round(compiling, 3),
             }
-            if (
-                calls is not None
-            ):  # the run's one vLLM call (bench_e2e.profile_split sets it beside grpo.py's)
+            # the run's one vLLM call (bench_e2e.profile_split sets it beside grpo.py's)
+            if calls is not None:
                 runs[name]["profile"] = calls[-1] if len(calls) == first_call + 1 else None
             print(name, runs[name], flush=True)
     engine.shutdown()
