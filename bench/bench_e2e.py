@@ -193,7 +193,8 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     profile = Path(run_dir, "gen_profile.jsonl")
     profile.unlink(missing_ok=True)
     if args.profile_gen:
-        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), "--"]
+        freeze = ["--gc-freeze"] if args.gen_gc_freeze else []
+        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), *freeze, "--"]
     # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -899,7 +900,8 @@ def ratios(flatrl: dict, trl: dict, verl: dict, bare: dict | None = None) -> dic
 def profile_split(flatrl: dict, bare: dict) -> dict | None:
     """--profile-gen: grpo.py's vLLM calls after the first step's against flatrl's call alone (bench_rollout's
     flatrl_n8_call and its repeat), function by function, in seconds (gen_profile.compare): where the loop's extra
-    call time goes. Rows [function, loop s, alone s, difference], largest differences first; None without both."""
+    call time goes. Rows [function, loop s, alone s, difference], largest differences first; the garbage
+    collector's pauses and tracked objects as [loop, alone]; None without both."""
     loop = (flatrl.get("gen_profile") or [])[1:]  # the first step's call pays first-call costs
     alone = [
         p
@@ -908,9 +910,15 @@ def profile_split(flatrl: dict, bare: dict) -> dict | None:
     ]
     if not loop or not alone:
         return None
-    mean = lambda calls: sum(c["seconds"] for c in calls) / len(calls)  # noqa: E731
+    mean = lambda calls, key="seconds": sum(c.get(key, 0.0) for c in calls) / len(calls)  # noqa: E731
     return {
         "seconds": [round(mean(loop), 3), round(mean(alone), 3)],
+        # the garbage collector's pauses inside the calls, and the objects it tracked as each began (gen_profile)
+        "gc_s": [round(mean(loop, "gc_s"), 4), round(mean(alone, "gc_s"), 4)],
+        "gc_tracked_objects": [
+            round(mean(loop, "gc_tracked_objects")),
+            round(mean(alone, "gc_tracked_objects")),
+        ],
         "self_s": gen_profile.compare(
             gen_profile.mean_profile(loop, "self_s"), gen_profile.mean_profile(alone, "self_s")
         ),
@@ -939,6 +947,7 @@ FLATRL_ONLY = {
     "--async-steps": lambda a: a.async_steps,
     "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
     "--profile-gen": lambda a: a.profile_gen,
+    "--gen-gc-freeze": lambda a: a.gen_gc_freeze,
 }
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
@@ -1085,6 +1094,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "in the bare runs: flatrl's gen_profile, bare_vllm's profile_by_run, and gen_profile_loop_vs_alone",
     )
     p.add_argument(
+        "--gen-gc-freeze",
+        action="store_true",
+        help="with --profile-gen: grpo.py's vLLM calls each run with the objects alive before it frozen out of the "
+        "garbage collector's reach (gen_profile.py --gc-freeze); the bare runs as they are",
+    )
+    p.add_argument(
         "--peers",
         default="trl",
         type=lambda v: [x for x in v.split(",") if x],
@@ -1172,6 +1187,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             f"--trl-per-device-batch {args.trl_per_device_batch} must divide --num-prompts x --n = "
             f"{args.num_prompts * args.n} (TRL accumulates whole micro-batches to one step)"
         )
+    if args.gen_gc_freeze and not args.profile_gen:
+        p.error("--gen-gc-freeze: runs grpo.py under bench/gen_profile.py, so pass --profile-gen too")
     if args.skip_flatrl and args.flatrl_from:
         p.error(
             "--skip-flatrl and --flatrl-from: pass one (--flatrl-from takes flatrl's figures from the file)"

@@ -14,6 +14,12 @@ function by function, in seconds (`compare`).
 A sample takes the GIL for about a stack walk (tens of microseconds at vLLM's depth): under 1% of a call at the
 default 5 ms, and the same in both places. A thread that holds the GIL in a long C call delays the sample until it
 lets go, and the seconds land on where it is then: the Python line after the call, or the C call's caller.
+
+Each call also times Python's cyclic garbage collector (`GCTimer`, gc.callbacks): its pauses by generation and the
+objects it tracks when the call starts. A collection of the oldest generation walks every tracked object, and in
+grpo.py's process those include the trainer's (the model, the optimizer, compiled graphs) beside vLLM's, which
+vLLM's own gc.freeze at start-up does not cover: a pause the call alone never pays. The sampler cannot see it (it
+lands on whichever function allocated), so it is counted apart.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import runpy
 import sys
@@ -98,9 +105,47 @@ class StackSampler:
         }
 
 
-def install(sink: list[dict[str, Any]] | None = None, path: str | Path | None = None) -> list[dict[str, Any]]:
+class GCTimer:
+    """Seconds and runs of the cyclic garbage collector by generation while the block runs (any thread's)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.runs = [0.0, 0.0, 0.0], [0, 0, 0]
+        self.tracked = 0
+        self._t0: float | None = None
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            gen = min(int(info.get("generation", 2)), 2)
+            self.seconds[gen] += time.perf_counter() - self._t0
+            self.runs[gen] += 1
+            self._t0 = None
+
+    def __enter__(self) -> GCTimer:
+        self.tracked = len(gc.get_objects())  # before the clock starts: the walk a full collection makes
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "gc_s": round(sum(self.seconds), 4),
+            "gc_s_by_generation": [round(x, 4) for x in self.seconds],
+            "gc_runs_by_generation": self.runs,
+            "gc_tracked_objects": self.tracked,
+        }
+
+
+def install(
+    sink: list[dict[str, Any]] | None = None, path: str | Path | None = None, gc_freeze: bool = False
+) -> list[dict[str, Any]]:
     """Wraps vllm.LLM.generate so that each call's summary is appended to `sink` (returned) and, with `path`, as one
-    JSON line to that file (written at once: a run that dies later keeps its calls)."""
+    JSON line to that file (written at once: a run that dies later keeps its calls). gc_freeze: the objects alive as
+    each call begins are moved out of the collector's reach for the call (gc.freeze, then gc.unfreeze), the lever
+    that GCTimer's pauses would call for."""
     from vllm import LLM
 
     sink = [] if sink is None else sink
@@ -110,9 +155,15 @@ def install(sink: list[dict[str, Any]] | None = None, path: str | Path | None = 
 
     @functools.wraps(inner)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with StackSampler() as sampler:
-            out = inner(self, *args, **kwargs)
-        row = sampler.summary() | {"call": len(sink)}
+        if gc_freeze:
+            gc.freeze()
+        try:
+            with GCTimer() as collector, StackSampler() as sampler:
+                out = inner(self, *args, **kwargs)
+        finally:
+            if gc_freeze:
+                gc.unfreeze()
+        row = sampler.summary() | collector.summary() | {"call": len(sink), "gc_freeze": gc_freeze}
         sink.append(row)
         if path is not None:
             with open(path, "a") as f:
@@ -145,12 +196,17 @@ def mean_profile(calls: list[dict[str, Any]], key: str = "inclusive_s") -> dict[
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON lines, one per generate call (appended)")
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() before each call and gc.unfreeze() after: the collector skips what was alive before it",
+    )
     p.add_argument("script", help="the script to run, e.g. grpo.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     a = p.parse_args(argv)
     script = Path(a.script).resolve()
     sys.path.insert(0, str(script.parent))  # the script's own imports (grpo.py's `import rollout`)
-    install(path=a.out)
+    install(path=a.out, gc_freeze=a.gc_freeze)
     sys.argv = [str(script), *(a.args[1:] if a.args[:1] == ["--"] else a.args)]
     runpy.run_path(str(script), run_name="__main__")
 

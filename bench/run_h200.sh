@@ -28,9 +28,10 @@
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
 #                                      $MODEL (0.5b; 1.5b is a run of its own)
-#   gen-profile (no carry, a job, ~5.5 min est. at 0.5b) flatrl's defaults and the bare runs (no TRL), every vLLM
-#                                      call's Python stack sampled (bench/gen_profile.py): where the loop's call
-#                                      spends its 1.136x of the call alone (d03c3d6)
+#   gen-profile (no carry, a job, ~9 min est. at 0.5b) flatrl's defaults and the bare runs (no TRL), every vLLM
+#                                      call's Python stack and garbage collections timed (bench/gen_profile.py):
+#                                      where the loop's call spends its 1.136x of the call alone (d03c3d6); then
+#                                      flatrl again with --gen-gc-freeze
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
 #   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
 #                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
@@ -239,9 +240,15 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
   follow_job
 elif [ "$part" = gen-profile ]; then  # where the loop's vLLM call spends the 1.136x of the call alone (d03c3d6, 0.5B):
   # flatrl's defaults and the bare runs, every vLLM call's Python stack sampled (bench/gen_profile.py); the JSON's
-  # gen_profile_loop_vs_alone sets the two side by side, function by function (a job: part `wait` after)
-  start_job e2e-profile-$MODEL python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
-    --skip-trl --bare-vllm on --profile-gen --out "$jobs/e2e-profile-$MODEL/e2e_profile_$MODEL.json"
+  # gen_profile_loop_vs_alone sets the two side by side, function by function, with the garbage collector's pauses;
+  # then flatrl again with each call's older objects frozen out of the collector's reach (--gen-gc-freeze), the
+  # lever those pauses would call for (a job: part `wait` after)
+  d=$jobs/e2e-profile-$MODEL
+  bench=(python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl --profile-gen)
+  # shellcheck disable=SC2016  # expanded by the job's own shell
+  start_job e2e-profile-$MODEL bash -c 'a=$0 b=$1; shift; "$@" --bare-vllm on --out "$a" &&
+    "$@" --bare-vllm off --gen-gc-freeze --out "$b"' "$d/e2e_profile_$MODEL.json" "$d/e2e_profile_gcfreeze_$MODEL.json" \
+    "${bench[@]}"
   follow_job
 elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
   # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host

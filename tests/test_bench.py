@@ -175,8 +175,9 @@ def test_bench_e2e(tmp_path, work):
 
 @pytest.mark.slow
 def test_bench_e2e_profiles_grpos_generate_calls(tmp_path, work):
-    """--profile-gen: grpo.py runs under bench/gen_profile.py, and each step's vLLM call comes back profiled."""
-    r = run_bench("bench_e2e.py", tmp_path, work, "--profile-gen", "--steps", "3")
+    """--profile-gen: grpo.py runs under bench/gen_profile.py, and each step's vLLM call comes back profiled (here
+    with --gen-gc-freeze: the collector kept off what was alive before each call)."""
+    r = run_bench("bench_e2e.py", tmp_path, work, "--profile-gen", "--gen-gc-freeze", "--steps", "3")
     f = r["flatrl"]
     assert "error" not in f, f.get("tail")
     assert r["settings"]["steps"] == 3 and len(f["steps_s"]) == 3
@@ -185,6 +186,7 @@ def test_bench_e2e_profiles_grpos_generate_calls(tmp_path, work):
     for c, engine in zip(calls[1:], f["gen_call_each"]["engine"], strict=True):  # grpo.py's own timing of it
         assert c["seconds"] == pytest.approx(engine, rel=0.25, abs=0.05)
         assert c["inclusive_s"]["vllm/entrypoints/llm.py:generate"] > 0.5 * c["seconds"]
+        assert c["gc_freeze"] and c["gc_tracked_objects"] > 10_000 and 0 <= c["gc_s"] < c["seconds"]
     assert "gen_profile_loop_vs_alone" not in r  # no bare runs on the CPU
 
 

@@ -4,6 +4,7 @@ runs a script with every call profiled; bench_e2e sets grpo.py's calls beside th
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -49,6 +50,37 @@ def test_sampler_splits_a_call_between_its_functions():
     assert r["self_s"]["tests/test_gen_profile.py:spin"] == pytest.approx(spun, rel=0.2)
 
 
+def test_gc_timer_counts_the_collectors_pauses_by_generation():
+    class Node:  # reference cycles: only the cyclic collector frees them
+        def __init__(self):
+            self.me = self
+
+    keep = [Node() for _ in range(200_000)]  # tracked objects a full collection walks
+    with gen_profile.GCTimer() as t:
+        gc.collect(0)
+        gc.collect(2)
+    r = t.summary()
+    assert r["gc_tracked_objects"] >= 200_000
+    assert r["gc_runs_by_generation"][0] >= 1 and r["gc_runs_by_generation"][2] >= 1
+    assert r["gc_s_by_generation"][2] > r["gc_s_by_generation"][0]  # the full walk is the longer one
+    assert r["gc_s"] == pytest.approx(sum(r["gc_s_by_generation"]), abs=1e-3)
+    assert t._callback not in gc.callbacks  # removed on exit
+    del keep
+
+
+def test_gc_freeze_keeps_the_collector_off_what_was_alive_before_the_call(monkeypatch):
+    class LLM:
+        def generate(self):
+            return gc.get_freeze_count()  # objects moved out of the collector's reach
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    before = gc.get_freeze_count()
+    calls = gen_profile.install(gc_freeze=True)
+    frozen = LLM().generate()
+    assert frozen > before + 1000 and gc.get_freeze_count() == before  # frozen for the call, thawed after
+    assert calls[0]["gc_freeze"] is True
+
+
 def test_frame_key_cuts_site_packages():
     code = types.SimpleNamespace(
         co_filename="/x/lib/python3.12/site-packages/vllm/v1/core.py", co_name="step"
@@ -84,6 +116,7 @@ def test_wrapper_runs_the_script_with_each_generate_call_profiled(tmp_path, monk
     for c, want in zip(calls, (0.1, 0.2), strict=True):
         assert c["seconds"] == pytest.approx(want, abs=0.05) and c["samples"] > 5
         assert c["inclusive_s"]["tests/test_gen_profile.py:spin"] == pytest.approx(c["seconds"], rel=0.35)
+        assert c["gc_tracked_objects"] > 1000 and 0 <= c["gc_s"] < c["seconds"]
     with pytest.raises(RuntimeError, match="profiled already"):  # one wrapper, not two nested
         gen_profile.install()
 
@@ -108,6 +141,7 @@ def test_bench_e2e_sets_the_loops_calls_beside_the_call_alone():
                                "flatrl_n8_call#2": call(5.2, 1.2)}}  # fmt: skip
     split = bench_e2e.profile_split(flatrl, bare)
     assert split["seconds"] == [6.2, 5.1]
+    assert split["gc_s"] == [0.0, 0.0]  # calls recorded before the collector was timed count 0
     assert split["inclusive_s"] == [["top", 6.2, 5.1, 1.1], ["x", 2.2, 1.1, 1.1]]  # a tie: by name
     assert split["self_s"] == [["x", 2.2, 1.1, 1.1]]
     assert (
