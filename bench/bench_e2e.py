@@ -901,7 +901,7 @@ def profile_split(flatrl: dict, bare: dict) -> dict | None:
     """--profile-gen: grpo.py's vLLM calls after the first step's against flatrl's call alone (bench_rollout's
     flatrl_n8_call and its repeat), function by function, in seconds (gen_profile.compare): where the loop's extra
     call time goes. Rows [function, loop s, alone s, difference], largest differences first; the garbage
-    collector's pauses and tracked objects as [loop, alone]; None without both."""
+    collector's pauses as [loop, alone]; None without both."""
     loop = (flatrl.get("gen_profile") or [])[1:]  # the first step's call pays first-call costs
     alone = [
         p
@@ -913,12 +913,10 @@ def profile_split(flatrl: dict, bare: dict) -> dict | None:
     mean = lambda calls, key="seconds": sum(c.get(key, 0.0) for c in calls) / len(calls)  # noqa: E731
     return {
         "seconds": [round(mean(loop), 3), round(mean(alone), 3)],
-        # the garbage collector's pauses inside the calls, and the objects it tracked as each began (gen_profile)
+        # the garbage collector's pauses inside the calls; the objects it tracked as grpo.py's first call began
+        # (gen_profile counts them in a process's first call only)
         "gc_s": [round(mean(loop, "gc_s"), 4), round(mean(alone, "gc_s"), 4)],
-        "gc_tracked_objects": [
-            round(mean(loop, "gc_tracked_objects")),
-            round(mean(alone, "gc_tracked_objects")),
-        ],
+        "gc_tracked_objects_loop": flatrl["gen_profile"][0].get("gc_tracked_objects"),
         "self_s": gen_profile.compare(
             gen_profile.mean_profile(loop, "self_s"), gen_profile.mean_profile(alone, "self_s")
         ),

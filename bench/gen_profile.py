@@ -15,8 +15,8 @@ A sample takes the GIL for about a stack walk (tens of microseconds at vLLM's de
 default 5 ms, and the same in both places. A thread that holds the GIL in a long C call delays the sample until it
 lets go, and the seconds land on where it is then: the Python line after the call, or the C call's caller.
 
-Each call also times Python's cyclic garbage collector (`GCTimer`, gc.callbacks): its pauses by generation and the
-objects it tracks when the call starts. A collection of the oldest generation walks every tracked object, and in
+Each call also times Python's cyclic garbage collector (`GCTimer`, gc.callbacks): its pauses by generation, and in
+the first call the objects it tracks when the call starts. A collection of the oldest generation walks every tracked object, and in
 grpo.py's process those include the trainer's (the model, the optimizer, compiled graphs) beside vLLM's, which
 vLLM's own gc.freeze at start-up does not cover: a pause the call alone never pays. The sampler cannot see it (it
 lands on whichever function allocated), so it is counted apart.
@@ -108,9 +108,11 @@ class StackSampler:
 class GCTimer:
     """Seconds and runs of the cyclic garbage collector by generation while the block runs (any thread's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = True) -> None:
         self.seconds, self.runs = [0.0, 0.0, 0.0], [0, 0, 0]
-        self.tracked = 0
+        self.count = count  # the objects, tracked and frozen: two walks of the heap, tens of ms at millions
+        self.tracked: int | None = None
+        self.frozen: int | None = None
         self._t0: float | None = None
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
@@ -123,7 +125,8 @@ class GCTimer:
             self._t0 = None
 
     def __enter__(self) -> GCTimer:
-        self.tracked = len(gc.get_objects())  # before the clock starts: the walk a full collection makes
+        if self.count:  # before the clock starts: the walk a full collection makes, and what gc.freeze put aside
+            self.tracked, self.frozen = len(gc.get_objects()), gc.get_freeze_count()
         gc.callbacks.append(self._callback)
         return self
 
@@ -136,6 +139,7 @@ class GCTimer:
             "gc_s_by_generation": [round(x, 4) for x in self.seconds],
             "gc_runs_by_generation": self.runs,
             "gc_tracked_objects": self.tracked,
+            "gc_frozen_objects": self.frozen,
         }
 
 
@@ -158,7 +162,9 @@ def install(
         if gc_freeze:
             gc.freeze()
         try:
-            with GCTimer() as collector, StackSampler() as sampler:
+            # the heap counted in the first call only (grpo.py's first step, reported apart): a count walks every
+            # object, tens of ms at millions, inside the caller's own timing of the call
+            with GCTimer(count=not sink) as collector, StackSampler() as sampler:
                 out = inner(self, *args, **kwargs)
         finally:
             if gc_freeze:

@@ -78,7 +78,7 @@ def test_gc_freeze_keeps_the_collector_off_what_was_alive_before_the_call(monkey
     calls = gen_profile.install(gc_freeze=True)
     frozen = LLM().generate()
     assert frozen > before + 1000 and gc.get_freeze_count() == before  # frozen for the call, thawed after
-    assert calls[0]["gc_freeze"] is True
+    assert calls[0]["gc_freeze"] is True and calls[0]["gc_frozen_objects"] == frozen
 
 
 def test_frame_key_cuts_site_packages():
@@ -116,7 +116,8 @@ def test_wrapper_runs_the_script_with_each_generate_call_profiled(tmp_path, monk
     for c, want in zip(calls, (0.1, 0.2), strict=True):
         assert c["seconds"] == pytest.approx(want, abs=0.05) and c["samples"] > 5
         assert c["inclusive_s"]["tests/test_gen_profile.py:spin"] == pytest.approx(c["seconds"], rel=0.35)
-        assert c["gc_tracked_objects"] > 1000 and 0 <= c["gc_s"] < c["seconds"]
+        assert 0 <= c["gc_s"] < c["seconds"]
+    assert calls[0]["gc_tracked_objects"] > 1000 and calls[1]["gc_tracked_objects"] is None  # the first call's heap
     with pytest.raises(RuntimeError, match="profiled already"):  # one wrapper, not two nested
         gen_profile.install()
 
@@ -142,6 +143,7 @@ def test_bench_e2e_sets_the_loops_calls_beside_the_call_alone():
     split = bench_e2e.profile_split(flatrl, bare)
     assert split["seconds"] == [6.2, 5.1]
     assert split["gc_s"] == [0.0, 0.0]  # calls recorded before the collector was timed count 0
+    assert split["gc_tracked_objects_loop"] is None  # not counted in these calls
     assert split["inclusive_s"] == [["top", 6.2, 5.1, 1.1], ["x", 2.2, 1.1, 1.1]]  # a tie: by name
     assert split["self_s"] == [["x", 2.2, 1.1, 1.1]]
     assert (
