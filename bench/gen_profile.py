@@ -125,7 +125,9 @@ class GCTimer:
             self._t0 = None
 
     def __enter__(self) -> GCTimer:
-        if self.count:  # before the clock starts: the walk a full collection makes, and what gc.freeze put aside
+        if (
+            self.count
+        ):  # before the clock starts: the walk a full collection makes, and what gc.freeze put aside
             self.tracked, self.frozen = len(gc.get_objects()), gc.get_freeze_count()
         gc.callbacks.append(self._callback)
         return self

@@ -117,7 +117,9 @@ def test_wrapper_runs_the_script_with_each_generate_call_profiled(tmp_path, monk
         assert c["seconds"] == pytest.approx(want, abs=0.05) and c["samples"] > 5
         assert c["inclusive_s"]["tests/test_gen_profile.py:spin"] == pytest.approx(c["seconds"], rel=0.35)
         assert 0 <= c["gc_s"] < c["seconds"]
-    assert calls[0]["gc_tracked_objects"] > 1000 and calls[1]["gc_tracked_objects"] is None  # the first call's heap
+    assert (
+        calls[0]["gc_tracked_objects"] > 1000 and calls[1]["gc_tracked_objects"] is None
+    )  # the first call's heap
     with pytest.raises(RuntimeError, match="profiled already"):  # one wrapper, not two nested
         gen_profile.install()
 
