@@ -189,12 +189,13 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "--config",
         flatrl_config(args, model, data, run_dir),
     ]
-    # --profile-gen: each vLLM call's sampled stacks (gen_profile.py)
+    # --profile-gen: each vLLM call's sampled stacks and garbage collections (gen_profile.py); --gen-gc: the
+    # collections alone, or with the objects alive before each call frozen out of the collector's reach
     profile = Path(run_dir, "gen_profile.jsonl")
     profile.unlink(missing_ok=True)
-    if args.profile_gen:
-        freeze = ["--gc-freeze"] if args.gen_gc_freeze else []
-        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), *freeze, "--"]
+    if args.profile_gen or args.gen_gc != "off":
+        how = (["--gc-freeze"] if args.gen_gc == "freeze" else []) + ([] if args.profile_gen else ["--no-stacks"])
+        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), *how, "--"]
     # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -271,7 +272,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
         "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
-    if args.profile_gen:  # every vLLM call of the run: the first step's, then one per later step
+    if args.profile_gen or args.gen_gc != "off":  # every vLLM call of the run: the first step's, then one a step
         out["gen_profile"] = [json.loads(x) for x in profile.read_text().splitlines() if x]
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -945,7 +946,7 @@ FLATRL_ONLY = {
     "--async-steps": lambda a: a.async_steps,
     "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
     "--profile-gen": lambda a: a.profile_gen,
-    "--gen-gc-freeze": lambda a: a.gen_gc_freeze,
+    "--gen-gc": lambda a: a.gen_gc != "off",
 }
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
@@ -1092,10 +1093,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "in the bare runs: flatrl's gen_profile, bare_vllm's profile_by_run, and gen_profile_loop_vs_alone",
     )
     p.add_argument(
-        "--gen-gc-freeze",
-        action="store_true",
-        help="with --profile-gen: grpo.py's vLLM calls each run with the objects alive before it frozen out of the "
-        "garbage collector's reach (gen_profile.py --gc-freeze); the bare runs as they are",
+        "--gen-gc",
+        choices=["off", "time", "freeze"],
+        default="off",
+        help="grpo.py under bench/gen_profile.py without stack sampling (with --profile-gen: with it): time, each "
+        "vLLM call's garbage collections (flatrl's gen_profile); freeze, the same with the objects alive before each "
+        "call frozen out of the collector's reach (gc.freeze, then gc.unfreeze); the bare runs as they are",
     )
     p.add_argument(
         "--peers",
@@ -1185,8 +1188,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             f"--trl-per-device-batch {args.trl_per_device_batch} must divide --num-prompts x --n = "
             f"{args.num_prompts * args.n} (TRL accumulates whole micro-batches to one step)"
         )
-    if args.gen_gc_freeze and not args.profile_gen:
-        p.error("--gen-gc-freeze: runs grpo.py under bench/gen_profile.py, so pass --profile-gen too")
     if args.skip_flatrl and args.flatrl_from:
         p.error(
             "--skip-flatrl and --flatrl-from: pass one (--flatrl-from takes flatrl's figures from the file)"

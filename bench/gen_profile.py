@@ -146,12 +146,16 @@ class GCTimer:
 
 
 def install(
-    sink: list[dict[str, Any]] | None = None, path: str | Path | None = None, gc_freeze: bool = False
+    sink: list[dict[str, Any]] | None = None,
+    path: str | Path | None = None,
+    gc_freeze: bool = False,
+    stacks: bool = True,
 ) -> list[dict[str, Any]]:
     """Wraps vllm.LLM.generate so that each call's summary is appended to `sink` (returned) and, with `path`, as one
     JSON line to that file (written at once: a run that dies later keeps its calls). gc_freeze: the objects alive as
     each call begins are moved out of the collector's reach for the call (gc.freeze, then gc.unfreeze), the lever
-    that GCTimer's pauses would call for."""
+    that GCTimer's pauses would call for. stacks=False: no sampling thread (its GIL grabs perturb the call), only
+    the call's seconds and the collector's figures."""
     from vllm import LLM
 
     sink = [] if sink is None else sink
@@ -166,12 +170,19 @@ def install(
         try:
             # the heap counted in the first call only (grpo.py's first step, reported apart): a count walks every
             # object, tens of ms at millions, inside the caller's own timing of the call
-            with GCTimer(count=not sink) as collector, StackSampler() as sampler:
-                out = inner(self, *args, **kwargs)
+            with GCTimer(count=not sink) as collector:
+                t0 = time.perf_counter()
+                if stacks:
+                    with StackSampler() as sampler:
+                        out = inner(self, *args, **kwargs)
+                else:
+                    out = inner(self, *args, **kwargs)
+                seconds = time.perf_counter() - t0
         finally:
             if gc_freeze:
                 gc.unfreeze()
-        row = sampler.summary() | collector.summary() | {"call": len(sink), "gc_freeze": gc_freeze}
+        row = sampler.summary() if stacks else {"seconds": round(seconds, 4)}
+        row |= collector.summary() | {"call": len(sink), "gc_freeze": gc_freeze}
         sink.append(row)
         if path is not None:
             with open(path, "a") as f:
@@ -209,12 +220,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="gc.freeze() before each call and gc.unfreeze() after: the collector skips what was alive before it",
     )
+    p.add_argument(
+        "--no-stacks",
+        action="store_true",
+        help="no stack sampling: each call's seconds and garbage collections only (no sampler thread in the call)",
+    )
     p.add_argument("script", help="the script to run, e.g. grpo.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     a = p.parse_args(argv)
     script = Path(a.script).resolve()
     sys.path.insert(0, str(script.parent))  # the script's own imports (grpo.py's `import rollout`)
-    install(path=a.out, gc_freeze=a.gc_freeze)
+    install(path=a.out, gc_freeze=a.gc_freeze, stacks=not a.no_stacks)
     sys.argv = [str(script), *(a.args[1:] if a.args[:1] == ["--"] else a.args)]
     runpy.run_path(str(script), run_name="__main__")
 

@@ -28,10 +28,12 @@
 #   defaults   (no carry, a job, ~6 min; 7 on a slow H100 host, 2026-12-06, and about 1 more since bare vLLM
 #              joined)                 flatrl with its defaults, bare vLLM's generation of one step, then TRL, at
 #                                      $MODEL (0.5b; 1.5b is a run of its own)
-#   gen-profile (no carry, a job, ~9 min est. at 0.5b) flatrl's defaults and the bare runs (no TRL), every vLLM
-#                                      call's Python stack and garbage collections timed (bench/gen_profile.py):
-#                                      where the loop's call spends its 1.136x of the call alone (d03c3d6); then
-#                                      flatrl again with --gen-gc-freeze
+#   gen-profile (no carry, a job, ~6 min at 864d4e1, 0.5b) flatrl's defaults and the bare runs (no TRL), every
+#                                      vLLM call's Python stack and garbage collections timed (bench/gen_profile.py):
+#                                      where the loop's call spends its 1.136x of the call alone (d03c3d6)
+#   gen-gc     (no carry, a job, ~8 min est. at 0.5b) flatrl alone for STEPS (8) steps, each vLLM call's seconds and
+#                                      garbage collections, then again with --gen-gc freeze: whether generation
+#                                      still grows from step to step, and whether freezing stops it
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
 #   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
 #                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
@@ -240,15 +242,21 @@ elif [ "$part" = defaults ]; then  # flatrl's defaults: checkpointing of every l
   follow_job
 elif [ "$part" = gen-profile ]; then  # where the loop's vLLM call spends the 1.136x of the call alone (d03c3d6, 0.5B):
   # flatrl's defaults and the bare runs, every vLLM call's Python stack sampled (bench/gen_profile.py); the JSON's
-  # gen_profile_loop_vs_alone sets the two side by side, function by function, with the garbage collector's pauses;
-  # then flatrl again with each call's older objects frozen out of the collector's reach (--gen-gc-freeze), the
-  # lever those pauses would call for (a job: part `wait` after)
-  d=$jobs/e2e-profile-$MODEL
-  bench=(python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl --profile-gen)
+  # gen_profile_loop_vs_alone sets the two side by side, function by function, with the garbage collector's pauses
+  # (a job: part `wait` after)
+  start_job e2e-profile-$MODEL python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
+    --skip-trl --bare-vllm on --profile-gen --out "$jobs/e2e-profile-$MODEL/e2e_profile_$MODEL.json"
+  follow_job
+elif [ "$part" = gen-gc ]; then  # the loop's generation from step to step over STEPS (8) steps, flatrl alone: each
+  # vLLM call's seconds and garbage collections (no stack sampling), then the same with the objects alive before
+  # each call frozen out of the collector's reach (--gen-gc freeze): 864d4e1's profiled runs grew from step to step
+  # without it and not with it (a job: part `wait` after)
+  d=$jobs/e2e-gc-$MODEL
+  bench=(python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl --bare-vllm off
+    --steps "${STEPS:-8}")
   # shellcheck disable=SC2016  # expanded by the job's own shell
-  start_job e2e-profile-$MODEL bash -c 'a=$0 b=$1; shift; "$@" --bare-vllm on --out "$a" &&
-    "$@" --bare-vllm off --gen-gc-freeze --out "$b"' "$d/e2e_profile_$MODEL.json" "$d/e2e_profile_gcfreeze_$MODEL.json" \
-    "${bench[@]}"
+  start_job e2e-gc-$MODEL bash -c 'a=$0 b=$1; shift; "$@" --gen-gc time --out "$a" && "$@" --gen-gc freeze --out "$b"' \
+    "$d/e2e_gc_time_$MODEL.json" "$d/e2e_gc_freeze_$MODEL.json" "${bench[@]}"
   follow_job
 elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
   # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host
@@ -360,6 +368,6 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
     --peers "$peers" "${verl_args[@]}" --out "$jobs/$name/e2e_smollm2.json"
   follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|gen-gc|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -79,6 +80,21 @@ def test_gc_freeze_keeps_the_collector_off_what_was_alive_before_the_call(monkey
     frozen = LLM().generate()
     assert frozen > before + 1000 and gc.get_freeze_count() == before  # frozen for the call, thawed after
     assert calls[0]["gc_freeze"] is True and calls[0]["gc_frozen_objects"] == frozen
+
+
+def test_without_stacks_a_call_keeps_its_seconds_and_collections(monkeypatch):
+    class LLM:
+        def generate(self, seconds):
+            before = threading.active_count()
+            spin(seconds)
+            return threading.active_count() - before  # no sampler thread started for the call
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    calls = gen_profile.install(stacks=False)
+    assert LLM().generate(0.1) == 0
+    c = calls[0]
+    assert "self_s" not in c and c["seconds"] == pytest.approx(0.1, abs=0.03)
+    assert c["gc_freeze"] is False and c["gc_tracked_objects"] > 1000 and c["gc_s"] >= 0
 
 
 def test_frame_key_cuts_site_packages():
