@@ -194,7 +194,9 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     profile = Path(run_dir, "gen_profile.jsonl")
     profile.unlink(missing_ok=True)
     if args.profile_gen or args.gen_gc != "off":
-        how = (["--gc-freeze"] if args.gen_gc == "freeze" else []) + ([] if args.profile_gen else ["--no-stacks"])
+        how = (["--gc-freeze"] if args.gen_gc == "freeze" else []) + (
+            [] if args.profile_gen else ["--no-stacks"]
+        )
         cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), *how, "--"]
     # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
@@ -272,7 +274,9 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
         "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
-    if args.profile_gen or args.gen_gc != "off":  # every vLLM call of the run: the first step's, then one a step
+    if (
+        args.profile_gen or args.gen_gc != "off"
+    ):  # every vLLM call of the run: the first step's, then one a step
         out["gen_profile"] = [json.loads(x) for x in profile.read_text().splitlines() if x]
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
