@@ -189,15 +189,11 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "--config",
         flatrl_config(args, model, data, run_dir),
     ]
-    # --profile-gen: each vLLM call's sampled stacks and garbage collections (gen_profile.py); --gen-gc: the
-    # collections alone, or with the objects alive before each call frozen out of the collector's reach
+    # --profile-gen: each vLLM call's sampled stacks and garbage collections (gen_profile.py)
     profile = Path(run_dir, "gen_profile.jsonl")
     profile.unlink(missing_ok=True)
-    if args.profile_gen or args.gen_gc != "off":
-        how = (["--gc-freeze"] if args.gen_gc == "freeze" else []) + (
-            [] if args.profile_gen else ["--no-stacks"]
-        )
-        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), *how, "--"]
+    if args.profile_gen:
+        cmd[1:1] = [str(BENCH / "gen_profile.py"), "--out", str(profile), "--"]
     # an earlier run's rows (one call runs several flatrl benches in one workdir) would date this run's steps
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -274,9 +270,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
         "gen_ahead_s": statistics.median(ahead) if ahead else None,
         "cache_kept_at_wake_gib": max((r.get("perf/memory/cache_kept_at_wake_gb") or 0 for r in rows), default=0),
     }  # fmt: skip
-    if (
-        args.profile_gen or args.gen_gc != "off"
-    ):  # every vLLM call of the run: the first step's, then one a step
+    if args.profile_gen:  # every vLLM call of the run: the first step's, then one per later step
         out["gen_profile"] = [json.loads(x) for x in profile.read_text().splitlines() if x]
     if torch.cuda.is_available():
         engine = args.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -918,10 +912,8 @@ def profile_split(flatrl: dict, bare: dict) -> dict | None:
     mean = lambda calls, key="seconds": sum(c.get(key, 0.0) for c in calls) / len(calls)  # noqa: E731
     return {
         "seconds": [round(mean(loop), 3), round(mean(alone), 3)],
-        # the garbage collector's pauses inside the calls; the objects it tracked as grpo.py's first call began
-        # (gen_profile counts them in a process's first call only)
+        # the collector's pauses in the calls
         "gc_s": [round(mean(loop, "gc_s"), 4), round(mean(alone, "gc_s"), 4)],
-        "gc_tracked_objects_loop": flatrl["gen_profile"][0].get("gc_tracked_objects"),
         "self_s": gen_profile.compare(
             gen_profile.mean_profile(loop, "self_s"), gen_profile.mean_profile(alone, "self_s")
         ),
@@ -950,7 +942,6 @@ FLATRL_ONLY = {
     "--async-steps": lambda a: a.async_steps,
     "--bare-vllm on": lambda a: a.bare_vllm == "on",  # timed after flatrl's run, which does not happen
     "--profile-gen": lambda a: a.profile_gen,
-    "--gen-gc": lambda a: a.gen_gc != "off",
 }
 # The settings an earlier flatrl result must share with this run for --flatrl-from.
 SAME = ("num_prompts", "n", "prompt_len", "response_len")
@@ -1095,14 +1086,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="sample the Python stack during every vLLM generate call (bench/gen_profile.py), in grpo.py's loop and "
         "in the bare runs: flatrl's gen_profile, bare_vllm's profile_by_run, and gen_profile_loop_vs_alone",
-    )
-    p.add_argument(
-        "--gen-gc",
-        choices=["off", "time", "freeze"],
-        default="off",
-        help="grpo.py under bench/gen_profile.py without stack sampling (with --profile-gen: with it): time, each "
-        "vLLM call's garbage collections (flatrl's gen_profile); freeze, the same with the objects alive before each "
-        "call frozen out of the collector's reach (gc.freeze, then gc.unfreeze); the bare runs as they are",
     )
     p.add_argument(
         "--peers",

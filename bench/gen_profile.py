@@ -15,11 +15,10 @@ A sample takes the GIL for about a stack walk (tens of microseconds at vLLM's de
 default 5 ms, and the same in both places. A thread that holds the GIL in a long C call delays the sample until it
 lets go, and the seconds land on where it is then: the Python line after the call, or the C call's caller.
 
-Each call also times Python's cyclic garbage collector (`GCTimer`, gc.callbacks): its pauses by generation, and in
-the first call the objects it tracks when the call starts. A collection of the oldest generation walks every tracked object, and in
-grpo.py's process those include the trainer's (the model, the optimizer, compiled graphs) beside vLLM's, which
-vLLM's own gc.freeze at start-up does not cover: a pause the call alone never pays. The sampler cannot see it (it
-lands on whichever function allocated), so it is counted apart.
+Each call also times Python's cyclic garbage collector (`GCTimer`, gc.callbacks): its pauses by generation. The
+sampler cannot see them (they land on whichever function allocated). vLLM freezes the heap (gc.freeze) once its
+engine has started, so in grpo.py's process the trainer's objects built before it are out of the collector's reach
+too (864d4e1, 0.5B: 1.15M objects frozen, about a thousand tracked at the first call).
 """
 
 from __future__ import annotations
@@ -108,11 +107,8 @@ class StackSampler:
 class GCTimer:
     """Seconds and runs of the cyclic garbage collector by generation while the block runs (any thread's)."""
 
-    def __init__(self, count: bool = True) -> None:
+    def __init__(self) -> None:
         self.seconds, self.runs = [0.0, 0.0, 0.0], [0, 0, 0]
-        self.count = count  # the objects, tracked and frozen: two walks of the heap, tens of ms at millions
-        self.tracked: int | None = None
-        self.frozen: int | None = None
         self._t0: float | None = None
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
@@ -125,10 +121,6 @@ class GCTimer:
             self._t0 = None
 
     def __enter__(self) -> GCTimer:
-        if (
-            self.count
-        ):  # before the clock starts: the walk a full collection makes, and what gc.freeze put aside
-            self.tracked, self.frozen = len(gc.get_objects()), gc.get_freeze_count()
         gc.callbacks.append(self._callback)
         return self
 
@@ -140,22 +132,12 @@ class GCTimer:
             "gc_s": round(sum(self.seconds), 4),
             "gc_s_by_generation": [round(x, 4) for x in self.seconds],
             "gc_runs_by_generation": self.runs,
-            "gc_tracked_objects": self.tracked,
-            "gc_frozen_objects": self.frozen,
         }
 
 
-def install(
-    sink: list[dict[str, Any]] | None = None,
-    path: str | Path | None = None,
-    gc_freeze: bool = False,
-    stacks: bool = True,
-) -> list[dict[str, Any]]:
+def install(sink: list[dict[str, Any]] | None = None, path: str | Path | None = None) -> list[dict[str, Any]]:
     """Wraps vllm.LLM.generate so that each call's summary is appended to `sink` (returned) and, with `path`, as one
-    JSON line to that file (written at once: a run that dies later keeps its calls). gc_freeze: the objects alive as
-    each call begins are moved out of the collector's reach for the call (gc.freeze, then gc.unfreeze), the lever
-    that GCTimer's pauses would call for. stacks=False: no sampling thread (its GIL grabs perturb the call), only
-    the call's seconds and the collector's figures."""
+    JSON line to that file (written at once: a run that dies later keeps its calls)."""
     from vllm import LLM
 
     sink = [] if sink is None else sink
@@ -165,24 +147,9 @@ def install(
 
     @functools.wraps(inner)
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if gc_freeze:
-            gc.freeze()
-        try:
-            # the heap counted in the first call only (grpo.py's first step, reported apart): a count walks every
-            # object, tens of ms at millions, inside the caller's own timing of the call
-            with GCTimer(count=not sink) as collector:
-                t0 = time.perf_counter()
-                if stacks:
-                    with StackSampler() as sampler:
-                        out = inner(self, *args, **kwargs)
-                else:
-                    out = inner(self, *args, **kwargs)
-                seconds = time.perf_counter() - t0
-        finally:
-            if gc_freeze:
-                gc.unfreeze()
-        row = sampler.summary() if stacks else {"seconds": round(seconds, 4)}
-        row |= collector.summary() | {"call": len(sink), "gc_freeze": gc_freeze}
+        with GCTimer() as collector, StackSampler() as sampler:
+            out = inner(self, *args, **kwargs)
+        row = sampler.summary() | collector.summary() | {"call": len(sink)}
         sink.append(row)
         if path is not None:
             with open(path, "a") as f:
@@ -215,22 +182,12 @@ def mean_profile(calls: list[dict[str, Any]], key: str = "inclusive_s") -> dict[
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON lines, one per generate call (appended)")
-    p.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.freeze() before each call and gc.unfreeze() after: the collector skips what was alive before it",
-    )
-    p.add_argument(
-        "--no-stacks",
-        action="store_true",
-        help="no stack sampling: each call's seconds and garbage collections only (no sampler thread in the call)",
-    )
     p.add_argument("script", help="the script to run, e.g. grpo.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     a = p.parse_args(argv)
     script = Path(a.script).resolve()
     sys.path.insert(0, str(script.parent))  # the script's own imports (grpo.py's `import rollout`)
-    install(path=a.out, gc_freeze=a.gc_freeze, stacks=not a.no_stacks)
+    install(path=a.out)
     sys.argv = [str(script), *(a.args[1:] if a.args[:1] == ["--"] else a.args)]
     runpy.run_path(str(script), run_name="__main__")
 

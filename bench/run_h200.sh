@@ -31,10 +31,8 @@
 #   gen-profile (no carry, a job, ~6 min at 864d4e1, 0.5b) flatrl's defaults and the bare runs (no TRL), every
 #                                      vLLM call's Python stack and garbage collections timed (bench/gen_profile.py):
 #                                      where the loop's call spends its 1.136x of the call alone (d03c3d6)
-#   gen-gc     (no carry, a job, ~8 min est. at 0.5b) flatrl alone for STEPS (8) steps, each vLLM call's seconds and
-#                                      garbage collections, then again with --gen-gc freeze: whether generation
-#                                      still grows from step to step, and whether freezing stops it
-#   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from)
+#   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from);
+#                                      STEPS (4) steps, then bare vLLM's runs
 #   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
 #                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
 #                                      ratios come out (VERL_ATTENTION=sdpa-padded: the runs before 2026-12-06, no
@@ -247,21 +245,11 @@ elif [ "$part" = gen-profile ]; then  # where the loop's vLLM call spends the 1.
   start_job e2e-profile-$MODEL python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
     --skip-trl --bare-vllm on --profile-gen --out "$jobs/e2e-profile-$MODEL/e2e_profile_$MODEL.json"
   follow_job
-elif [ "$part" = gen-gc ]; then  # the loop's generation from step to step over STEPS (8) steps, flatrl alone: each
-  # vLLM call's seconds and garbage collections (no stack sampling), then the same with the objects alive before
-  # each call frozen out of the collector's reach (--gen-gc freeze): 864d4e1's profiled runs grew from step to step
-  # without it and not with it (a job: part `wait` after)
-  d=$jobs/e2e-gc-$MODEL
-  bench=(python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl --bare-vllm off
-    --steps "${STEPS:-8}")
-  # shellcheck disable=SC2016  # expanded by the job's own shell
-  start_job e2e-gc-$MODEL bash -c 'a=$0 b=$1; shift; "$@" --gen-gc time --out "$a" && "$@" --gen-gc freeze --out "$b"' \
-    "$d/e2e_gc_time_$MODEL.json" "$d/e2e_gc_freeze_$MODEL.json" "${bench[@]}"
-  follow_job
 elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min at 0.5b), kept for a verl part on this
   # machine: a defaults part with TRL and a verl part do not fit one warm machine's budget on a slow host
+  # (STEPS: more steps than bench_e2e's 4 show whether generation keeps growing from step to step)
   start_job e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
-    --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
+    --steps "${STEPS:-4}" --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
   follow_job
 elif [ "$part" = verl ]; then
   # verl's main_ppo took more than 320 s to reach its first step on an H100 host (2026-12-05: Ray and its task
@@ -368,6 +356,6 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
     --peers "$peers" "${verl_args[@]}" --out "$jobs/$name/e2e_smollm2.json"
   follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|gen-gc|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

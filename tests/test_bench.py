@@ -175,9 +175,9 @@ def test_bench_e2e(tmp_path, work):
 
 @pytest.mark.slow
 def test_bench_e2e_profiles_grpos_generate_calls(tmp_path, work):
-    """--profile-gen: grpo.py runs under bench/gen_profile.py, and each step's vLLM call comes back profiled (here
-    with --gen-gc freeze: the collector kept off what was alive before each call)."""
-    r = run_bench("bench_e2e.py", tmp_path, work, "--profile-gen", "--gen-gc", "freeze", "--steps", "3")
+    """--profile-gen: grpo.py runs under bench/gen_profile.py, and each step's vLLM call comes back profiled, with
+    the garbage collector's pauses."""
+    r = run_bench("bench_e2e.py", tmp_path, work, "--profile-gen", "--steps", "3")
     f = r["flatrl"]
     assert "error" not in f, f.get("tail")
     assert r["settings"]["steps"] == 3 and len(f["steps_s"]) == 3
@@ -186,23 +186,8 @@ def test_bench_e2e_profiles_grpos_generate_calls(tmp_path, work):
     for c, engine in zip(calls[1:], f["gen_call_each"]["engine"], strict=True):  # grpo.py's own timing of it
         assert c["seconds"] == pytest.approx(engine, rel=0.25, abs=0.05)
         assert c["inclusive_s"]["vllm/entrypoints/llm.py:generate"] > 0.5 * c["seconds"]
-        assert c["gc_freeze"] and 0 <= c["gc_s"] < c["seconds"]
-    # the process's objects frozen out of the collector's reach, only the call's own left in it; counted in the
-    # first call (a walk of the heap), and not after
-    assert calls[0]["gc_frozen_objects"] > 10_000 > calls[0]["gc_tracked_objects"]
-    assert calls[1]["gc_frozen_objects"] is None
+        assert 0 <= c["gc_s"] < c["seconds"]
     assert "gen_profile_loop_vs_alone" not in r  # no bare runs on the CPU
-
-
-@pytest.mark.slow
-def test_bench_e2e_times_the_collector_in_grpos_calls_without_stacks(tmp_path, work):
-    """--gen-gc time: grpo.py under bench/gen_profile.py with no sampler, each call's seconds and collections."""
-    r = run_bench("bench_e2e.py", tmp_path, work, "--gen-gc", "time", "--steps", "2")
-    f = r["flatrl"]
-    assert "error" not in f, f.get("tail")
-    calls = f["gen_profile"]
-    assert [c["call"] for c in calls] == [0, 1] and not any("self_s" in c or c["gc_freeze"] for c in calls)
-    assert calls[1]["seconds"] == pytest.approx(f["gen_call_each"]["engine"][0], rel=0.25, abs=0.05)
 
 
 # What grpo.py and TRL see of a benchmark folder: AutoTokenizer.from_pretrained over bench/common.py's config.json

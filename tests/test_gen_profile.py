@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import json
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -56,45 +55,16 @@ def test_gc_timer_counts_the_collectors_pauses_by_generation():
         def __init__(self):
             self.me = self
 
-    keep = [Node() for _ in range(200_000)]  # tracked objects a full collection walks
+    keep = [Node() for _ in range(200_000)]  # objects a full collection walks
     with gen_profile.GCTimer() as t:
         gc.collect(0)
         gc.collect(2)
     r = t.summary()
-    assert r["gc_tracked_objects"] >= 200_000
     assert r["gc_runs_by_generation"][0] >= 1 and r["gc_runs_by_generation"][2] >= 1
     assert r["gc_s_by_generation"][2] > r["gc_s_by_generation"][0]  # the full walk is the longer one
     assert r["gc_s"] == pytest.approx(sum(r["gc_s_by_generation"]), abs=1e-3)
     assert t._callback not in gc.callbacks  # removed on exit
     del keep
-
-
-def test_gc_freeze_keeps_the_collector_off_what_was_alive_before_the_call(monkeypatch):
-    class LLM:
-        def generate(self):
-            return gc.get_freeze_count()  # objects moved out of the collector's reach
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
-    before = gc.get_freeze_count()
-    calls = gen_profile.install(gc_freeze=True)
-    frozen = LLM().generate()
-    assert frozen > before + 1000 and gc.get_freeze_count() == before  # frozen for the call, thawed after
-    assert calls[0]["gc_freeze"] is True and calls[0]["gc_frozen_objects"] == frozen
-
-
-def test_without_stacks_a_call_keeps_its_seconds_and_collections(monkeypatch):
-    class LLM:
-        def generate(self, seconds):
-            before = threading.active_count()
-            spin(seconds)
-            return threading.active_count() - before  # no sampler thread started for the call
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
-    calls = gen_profile.install(stacks=False)
-    assert LLM().generate(0.1) == 0
-    c = calls[0]
-    assert "self_s" not in c and c["seconds"] == pytest.approx(0.1, abs=0.03)
-    assert c["gc_freeze"] is False and c["gc_tracked_objects"] > 1000 and c["gc_s"] >= 0
 
 
 def test_frame_key_cuts_site_packages():
@@ -133,9 +103,6 @@ def test_wrapper_runs_the_script_with_each_generate_call_profiled(tmp_path, monk
         assert c["seconds"] == pytest.approx(want, abs=0.05) and c["samples"] > 5
         assert c["inclusive_s"]["tests/test_gen_profile.py:spin"] == pytest.approx(c["seconds"], rel=0.35)
         assert 0 <= c["gc_s"] < c["seconds"]
-    assert (
-        calls[0]["gc_tracked_objects"] > 1000 and calls[1]["gc_tracked_objects"] is None
-    )  # the first call's heap
     with pytest.raises(RuntimeError, match="profiled already"):  # one wrapper, not two nested
         gen_profile.install()
 
@@ -161,7 +128,6 @@ def test_bench_e2e_sets_the_loops_calls_beside_the_call_alone():
     split = bench_e2e.profile_split(flatrl, bare)
     assert split["seconds"] == [6.2, 5.1]
     assert split["gc_s"] == [0.0, 0.0]  # calls recorded before the collector was timed count 0
-    assert split["gc_tracked_objects_loop"] is None  # not counted in these calls
     assert split["inclusive_s"] == [["top", 6.2, 5.1, 1.1], ["x", 2.2, 1.1, 1.1]]  # a tie: by name
     assert split["self_s"] == [["x", 2.2, 1.1, 1.1]]
     assert (
