@@ -816,6 +816,7 @@ def run_framework(name: str, run, result: dict, out: str | None) -> None:
         torch.cuda.empty_cache()
     result[name] = {"running": f"since {time.strftime('%H:%M:%S')}"}
     write_json(result, out)
+    loop0 = common.host_loop_seconds()
     t0 = time.perf_counter()
     try:
         r = run()
@@ -827,6 +828,9 @@ def run_framework(name: str, run, result: dict, out: str | None) -> None:
             result[name] = r
             write_json(result, out)
             raise
+    # the host's Python speed just before and after the run: a host that slows between the frameworks of one file
+    # (864d4e1: 0.077 s at one bench's start, 0.138 at the next's ten minutes later) shows here
+    r["host_loop_s"] = [loop0, common.host_loop_seconds()]
     if "step_s" in r:
         r["samples_per_hour"] = (
             result["settings"]["num_prompts"] * result["settings"]["n"] / r["step_s"] * 3600

@@ -171,6 +171,10 @@ def test_bench_e2e(tmp_path, work):
     # CPU: no CUDA memory per phase; the console's memory lines are a list (vLLM's own where it logs them)
     assert f["outside_torch_by_phase_gib"] == {} and isinstance(f["memory_log"], list)
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
+    # the host's Python speed just before and after flatrl's run, beside the one at the bench's start
+    assert len(f["host_loop_s"]) == 2 and all(
+        0 < x < 20 * r["hardware"]["host_loop_s"] for x in f["host_loop_s"]
+    )
 
 
 @pytest.mark.slow
