@@ -198,8 +198,9 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     Path(run_dir, "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
     watch = e2e_verl.DeviceWatch(Path(run_dir, "metrics.jsonl")) if torch.cuda.is_available() else None
+    host = common.HostWatch() if watch is not None else None  # the host's Python speed, from another process
     try:
-        with watch or contextlib.nullcontext():
+        with watch or contextlib.nullcontext(), host or contextlib.nullcontext():
             p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired as e:  # the peers still run, and the JSON still comes back
         return {"error": f"grpo.py timed out after {args.timeout_s:g} s", "tail": timeout_tail(e)}
@@ -221,6 +222,10 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
                 lines, watch.lines, [(c[0], c[1]) for c in watch.clocks], statistics.fmean
             ),
             "gpu": common.clock_summary(watch.clocks, *steps_window(lines, watch.lines)),
+            # a fixed Python loop's ms, timed in another process through the run (common.HostWatch): in each
+            # phase, and in each step's generation beside gen_call_each (a slow host, or more work?)
+            "host_loop_ms_by_phase": sampled_by_phase(lines, watch.lines, host.samples, statistics.fmean),
+            "host_loop_ms_gen_each": phase_each_step(lines, watch.lines, host.samples, "gen")[1:],
         }
     peak = lambda suffix: max((v or 0) for r in rows for k, v in r.items() if k.endswith(suffix))  # noqa: E731
     phases = {k.removeprefix("timing_s/"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
@@ -346,19 +351,14 @@ def steps_window(lines: list[dict], seen_at: list[float]) -> tuple[float, float]
     return seen(at[0]) - lines[at[0]]["timing_s/step"], seen(at[-1])
 
 
-def sampled_by_phase(
-    lines: list[dict],
-    seen_at: list[float],
-    samples: list[tuple[float, float]],
-    reduce: Callable[[list[float]], float] = max,
-) -> dict[str, float]:
-    """The largest device-used sample (GiB) within each phase of a grpo.py run's training steps, so a sampled peak
-    that no phase-end reading saw has a phase (`reduce` another summary of the phase's samples than max: the mean
-    SM clock). A step spans (its row's time less timing_s/step, its row's time);
-    its phases are laid end to end from that start in the order its row lists them (the order they ran), each as
-    long as its timing_s; the untimed moments (engine.sleep, the advantages, the logging) go to "untimed". The
-    watch sees a row up to its 0.25 s period late, so a phase's edges are as blurred."""
-    out: dict[str, list[float]] = {}
+def step_spans(
+    lines: list[dict], seen_at: list[float]
+) -> list[tuple[float, float, list[tuple[str, float, float]]]]:
+    """Each training step of a grpo.py run as (start, end, [(phase, start, end), ...]): a step spans (its row's
+    time less timing_s/step, its row's time); its phases are laid end to end from that start in the order its row
+    lists them (the order they ran), each as long as its timing_s. The watch sees a row up to its 0.25 s period
+    late, so a phase's edges are as blurred."""
+    out = []
     for i, r in enumerate(lines):
         if "timing_s/step" not in r or i >= len(seen_at):
             continue
@@ -368,11 +368,37 @@ def sampled_by_phase(
             if k.startswith("timing_s/") and k != "timing_s/step":
                 spans.append((k.removeprefix("timing_s/"), t, t + v))
                 t += v
+        out.append((start, seen_at[i], spans))
+    return out
+
+
+def sampled_by_phase(
+    lines: list[dict],
+    seen_at: list[float],
+    samples: list[tuple[float, float]],
+    reduce: Callable[[list[float]], float] = max,
+) -> dict[str, float]:
+    """The largest device-used sample (GiB) within each phase of a grpo.py run's training steps (step_spans), so a
+    sampled peak that no phase-end reading saw has a phase (`reduce` another summary of the phase's samples than
+    max: the mean SM clock); the untimed moments (engine.sleep, the advantages, the logging) go to "untimed"."""
+    out: dict[str, list[float]] = {}
+    for start, end, spans in step_spans(lines, seen_at):
         for when, value in samples:
-            if start <= when <= seen_at[i]:
+            if start <= when <= end:
                 name = next((n for n, a, b in spans if a <= when < b), "untimed")
                 out.setdefault(name, []).append(value)
     return {k: round(reduce(v), 2) for k, v in out.items()}
+
+
+def phase_each_step(
+    lines: list[dict], seen_at: list[float], samples: list[tuple[float, float]], phase: str
+) -> list[float | None]:
+    """The mean of the samples within `phase` of each training step (step_spans), None where none fell in it."""
+    out = []
+    for _, _, spans in step_spans(lines, seen_at):
+        window = [v for n, a, b in spans if n == phase for when, v in samples if a <= when < b]
+        out.append(round(statistics.fmean(window), 3) if window else None)
+    return out
 
 
 def timeout_tail(e: subprocess.TimeoutExpired) -> str:

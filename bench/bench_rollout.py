@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> dict:
     runs = {}
     # --profile-gen: each vLLM call's sampled stacks from here on
     calls = gen_profile.install() if args.profile_gen else None
-    with common.ClockWatch() as clocks:
+    with common.ClockWatch() as clocks, common.HostWatch() as host_speed:
         for name in args.runs.split(","):
             base = name.partition("#")[0]  # `bare_n8#2`: bare_n8 again, kept under its own name
             first_call = len(calls) if calls is not None else 0
@@ -246,6 +246,8 @@ def main(args: argparse.Namespace) -> dict:
                 "cpu_s": round(cpu, 3),
                 "steal_s": round(steal, 3),
                 "compile_s": round(compiling, 3),
+                # a fixed Python loop's ms, timed in another process during the run (None: no sample in it)
+                "loop_ms": host_speed.mean(t0, time.perf_counter()),
             }
             # the run's one vLLM call (bench_e2e.profile_split sets it beside grpo.py's)
             if calls is not None:

@@ -332,3 +332,55 @@ class ClockWatch:
     def __exit__(self, *exc: Any) -> None:
         self.stop.set()
         self.thread.join()
+
+
+# The probe HostWatch runs in its own process: a fixed loop (as host_loop_seconds', shorter) every period, each
+# timing printed with its end on the clock every process shares (perf_counter: CLOCK_MONOTONIC on Linux).
+HOST_PROBE = """
+import sys, time
+n, period = int(sys.argv[1]), float(sys.argv[2])
+while True:
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(n):
+        acc += i & 7
+    t1 = time.perf_counter()
+    print(f"{t1:.6f} {(t1 - t0) * 1e3:.4f}", flush=True)
+    time.sleep(period)
+"""
+
+
+class HostWatch:
+    """The host's Python speed through a block, timed from another process: every `period_s` a fixed loop of `n`
+    iterations runs on whichever core is free, so the measured process's GIL and threads are not touched (about
+    1.5% of one core at the defaults). `samples`: (perf_counter time, loop ms); `mean(start, end)`. A host that
+    slows under a neighbour's load shows as longer loops, in the phase where it happened (864d4e1's lease:
+    host_loop_s 0.077 s at one bench's start and 0.138 at the next's, ten minutes later)."""
+
+    def __init__(self, period_s: float = 0.5, n: int = 200_000) -> None:
+        import threading
+
+        self.period_s, self.n = period_s, n
+        self.samples: list[tuple[float, float]] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            when, ms = line.split()
+            self.samples.append((float(when), float(ms)))
+
+    def __enter__(self) -> HostWatch:
+        cmd = [sys.executable, "-c", HOST_PROBE, str(self.n), str(self.period_s)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+        self.thread.join()
+
+    def mean(self, start: float = float("-inf"), end: float = float("inf")) -> float | None:
+        """The mean loop ms of the samples that ended in [start, end]; None: none did."""
+        window = [ms for when, ms in self.samples if start <= when <= end]
+        return round(sum(window) / len(window), 3) if window else None

@@ -127,8 +127,9 @@ def table(paths: list[str]) -> str:
 
 def memory_notes(paths: list[str]) -> str:
     """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
-    outside_torch_by_phase_gib, memory_log), and its generation phase in parts (gen_parts_s), one block a file;
-    empty when none has them."""
+    outside_torch_by_phase_gib, memory_log), its generation phase in parts (gen_parts_s), and each step's vLLM call
+    beside the host's speed then (host_loop_ms_gen_each, since 864d4e1's lease), one block a file; empty when none
+    has them."""
     blocks = []
     for p in paths:
         f = json.loads(Path(p).read_text()).get("flatrl") or {}
@@ -142,6 +143,15 @@ def memory_notes(paths: list[str]) -> str:
             lines.append(
                 f"  generation phase {gen:.2f} s, its generate() calls in parts (s): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            )
+        each, host = f.get("gen_call_each", {}).get("engine"), f.get("host_loop_ms_gen_each")
+        # each step's vLLM call beside the host's speed then (a fixed loop's ms, another process)
+        if each and host:
+            lines.append(
+                "  each step's vLLM call (s) / the host's loop (ms) meanwhile: "
+                + ", ".join(
+                    f"{e:.2f} / {'-' if h is None else f'{h:.1f}'}" for e, h in zip(each, host, strict=False)
+                )
             )
         if outside:  # negative where the sleeping engine's released pool still counts in torch's reserved
             lines.append(

@@ -59,8 +59,10 @@ def test_bench_rollout(tmp_path, work):
     more += ",flatrl_n8_onrollouts"
     r = run_bench("bench_rollout.py", tmp_path, work, "--runs", default_runs + more, "--profile-gen")
     runs = r["runs"]
-    # --profile-gen: each run's one vLLM call, its sampled seconds mostly inside LLM.generate
+    # --profile-gen: each run's one vLLM call, its sampled seconds mostly inside LLM.generate; the host's loop
+    # ms during the run where a sample of common.HostWatch (every 0.5 s) fell in it
     for name, run in runs.items():
+        assert run["host"]["loop_ms"] is None or 0 < run["host"]["loop_ms"] < 2000, name
         prof = run["profile"]
         assert prof["seconds"] == pytest.approx(run["seconds"], rel=0.2, abs=0.05), name
         assert prof["inclusive_s"]["vllm/entrypoints/llm.py:generate"] > 0.5 * prof["seconds"], name
@@ -106,7 +108,8 @@ def test_bench_rollout(tmp_path, work):
     call = runs["flatrl_n8_call"]["tokens"] / runs["flatrl_n8_call"]["seconds"]
     assert r["ratios"]["flatrl_n8_call_vs_bare_n8"] == pytest.approx(call / (2 * 4 * 2 * 16 / both))
     assert all(v["gpu"] is None for v in runs.values())
-    assert all(v["host"]["cpu_s"] > 0 and min(v["host"].values()) >= 0 for v in runs.values())
+    seconds = [{k: x for k, x in v["host"].items() if k != "loop_ms"} for v in runs.values()]
+    assert all(h["cpu_s"] > 0 and min(h.values()) >= 0 for h in seconds)
     # by name: the push check's logprobs for 1 prompt (n=2) instead of --logprob-check-prompts
     assert runs["flatrl_n8_check1"]["logprobs"]["probes"] == 1
     assert runs["bare_n1"]["tokens"] == 4 * 16 and runs["bare_n8"]["tokens"] == 4 * 2 * 16  # ignore_eos
@@ -348,6 +351,21 @@ def test_e2e_table_ratios_match_the_bench(monkeypatch):
     assert float(memory.split()[1]) == pytest.approx(d["ratios"]["flatrl_vs_trl_peak_device_used"], abs=1e-3)
     assert float(rows["flatrl"][2]) == pytest.approx(d["flatrl"]["step_s"], abs=0.01)
     assert "| trl |" in e2e_table.table([str(path)])
+
+
+def test_e2e_table_sets_each_vllm_call_beside_the_hosts_speed(monkeypatch, tmp_path):
+    """memory_notes: each step's vLLM call (gen_call_each) beside the host's loop ms in that step's generation
+    (host_loop_ms_gen_each), '-' where no sample fell in it; a file without them prints no such line."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e_table
+
+    path = tmp_path / "e2e.json"
+    flatrl = {"gen_parts_s": {"engine": 5.0}, "gen_call_each": {"engine": [5.42, 6.71]}}
+    path.write_text(json.dumps({"flatrl": flatrl | {"host_loop_ms_gen_each": [7.7, None]}}))
+    notes = e2e_table.memory_notes([str(path)])
+    assert "vLLM call (s) / the host's loop (ms) meanwhile: 5.42 / 7.7, 6.71 / -" in notes
+    path.write_text(json.dumps({"flatrl": flatrl}))
+    assert "host's loop" not in e2e_table.memory_notes([str(path)])
 
 
 def test_bench_rollout_refuses_an_unknown_run_before_the_engine(monkeypatch, capsys):

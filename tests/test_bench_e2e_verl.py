@@ -263,6 +263,38 @@ def test_each_sampled_peak_is_put_in_the_phase_that_held_it():
     }  # fmt: skip
 
 
+def test_phase_each_step_means_the_samples_of_one_phase_step_by_step():
+    """bench_e2e.phase_each_step: the host's loop ms in each step's generation (the same layout as above)."""
+    lines = [
+        {"timing_s/gen": 5.0, "timing_s/update": 3.0, "timing_s/step": 10.0},
+        {"timing_s/gen": 4.0, "timing_s/update": 3.0, "timing_s/step": 9.0},
+        {"timing_s/gen": 1.0, "timing_s/update": 3.0, "timing_s/step": 5.0},
+    ]  # fmt: skip
+    seen = [20.0, 29.0, 34.0]  # steps 10-20, 20-29, 29-34: gen 10-15, 20-24, 29-30
+    samples = [(11.0, 7.0), (14.0, 9.0), (16.0, 50.0), (21.0, 12.0), (23.9, 14.0), (24.5, 60.0), (31.0, 8.0)]
+    assert bench_e2e.phase_each_step(lines, seen, samples, "gen") == [8.0, 13.0, None]  # none in 29-30
+    assert bench_e2e.phase_each_step(lines, seen, samples, "update") == [50.0, 60.0, 8.0]
+
+
+def test_host_watch_times_a_loop_in_another_process():
+    """common.HostWatch: samples arrive from its own process through the block, on this process's clock; a window
+    with none gives None. A busy host (this process's threads do not count: the probe is another process) would
+    show as longer loops; here only that they are plausible: each a fraction of host_loop_seconds' 10x longer loop."""
+    import time
+
+    import common
+
+    with common.HostWatch(period_s=0.05) as w:
+        t0 = time.perf_counter()
+        time.sleep(1.0)
+        t1 = time.perf_counter()
+    assert w.proc.poll() is not None  # the probe is gone after the block
+    inside = [ms for when, ms in w.samples if t0 <= when <= t1]
+    assert len(inside) >= 5 and all(0 < ms < 2000 for ms in inside)
+    assert w.mean(t0, t1) == pytest.approx(sum(inside) / len(inside), abs=1e-3)
+    assert w.mean(t1 + 100, t1 + 200) is None
+
+
 def test_clock_summary_and_nvml_reads():
     """common.clock_summary: the mean and lowest SM clock, the hottest reading, the mean power and the shares of
     samples slowed by the power limit or heat, over a window; GpuClocks.read through a stand-in NVML module."""
