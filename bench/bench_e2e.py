@@ -212,6 +212,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     steps = [r["timing_s/step"] for r in rows]
     sampled = {}
     if watch is not None:  # the device sampled as verl's run is: over the steps, and the whole run
+        busy = [(c[0], c[5]) for c in watch.clocks if len(c) > 5 and c[5] >= 0]
         sampled = {
             "peak_device_used_sampled_gib": watch.peak(*steps_window(lines, watch.lines)),
             "peak_device_used_run_gib": watch.peak(),
@@ -222,6 +223,10 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
                 lines, watch.lines, [(c[0], c[1]) for c in watch.clocks], statistics.fmean
             ),
             "gpu": common.clock_summary(watch.clocks, *steps_window(lines, watch.lines)),
+            # the device's busy % (NVML's utilization) in each phase, and in each step's generation: a call that
+            # grows while the device idles more was held up by the host; one that grows busy, by the device
+            "gpu_busy_pct_by_phase": sampled_by_phase(lines, watch.lines, busy, statistics.fmean),
+            "gpu_busy_pct_gen_each": phase_each_step(lines, watch.lines, busy, "gen")[1:],
             # a fixed Python loop's ms, timed in another process through the run (common.HostWatch): in each
             # phase, and in each step's generation beside gen_call_each (a slow host, or more work?)
             "host_loop_ms_by_phase": sampled_by_phase(lines, watch.lines, host.samples, statistics.fmean),

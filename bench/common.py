@@ -244,17 +244,21 @@ class GpuClocks:
         except Exception:  # NVML there but unusable (no driver library): no clocks; the bench still runs
             return None
 
-    def read(self) -> tuple[float, float, float, int]:
-        """(SM clock MHz, temperature C, power W, clocks-event reasons bitmask) now."""
+    def read(self) -> tuple[float, float, float, int, float]:
+        """(SM clock MHz, temperature C, power W, clocks-event reasons bitmask, busy %) now. Busy: NVML's
+        utilization.gpu, the share of its last sample period (1/6 to 1 s) in which a kernel ran; -1 where the
+        bindings lack it. A phase whose device is busy far less than all the time is bound by the host."""
         n, h = self.nvml, self.handle
         # newer bindings name it ClocksEventReasons; the older name stays in both
         reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
         reasons = reasons or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        busy = getattr(n, "nvmlDeviceGetUtilizationRates", None)
         return (
             float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
             float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
             n.nvmlDeviceGetPowerUsage(h) / 1000.0,
             int(reasons(h)),
+            float(busy(h).gpu) if busy else -1.0,
         )
 
 
@@ -283,17 +287,18 @@ def load_nvml() -> Any:
 
 
 def clock_summary(
-    samples: list[tuple[float, float, float, float, int]],
+    samples: list[tuple[float, ...]],
     start: float = float("-inf"),
     end: float = float("inf"),
 ) -> dict[str, float] | None:
-    """What `samples` of (time, SM MHz, C, W, reasons) say over [start, end]: the mean and lowest SM clock, the
-    hottest reading, the mean power, and the share of samples slowed by the power limit and by heat. None: no
-    sample in the window."""
+    """What `samples` of (time, SM MHz, C, W, reasons[, busy %]) say over [start, end]: the mean and lowest SM
+    clock, the hottest reading, the mean power, the share of samples slowed by the power limit and by heat, and the
+    mean busy % (None: no sample has it). None: no sample in the window."""
     window = [s for s in samples if start <= s[0] <= end]
     if not window:
         return None
     k = len(window)
+    busy = [s[5] for s in window if len(s) > 5 and s[5] >= 0]
     return {
         "sm_mhz_mean": round(sum(s[1] for s in window) / k, 1),
         "sm_mhz_min": min(s[1] for s in window),
@@ -301,6 +306,7 @@ def clock_summary(
         "power_w_mean": round(sum(s[3] for s in window) / k, 1),
         "power_capped_share": round(sum(bool(s[4] & POWER_CAP_BITS) for s in window) / k, 3),
         "thermal_share": round(sum(bool(s[4] & THERMAL_BITS) for s in window) / k, 3),
+        "busy_pct_mean": round(sum(busy) / len(busy), 1) if busy else None,
         "samples": k,
     }
 

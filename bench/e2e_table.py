@@ -128,8 +128,8 @@ def table(paths: list[str]) -> str:
 def memory_notes(paths: list[str]) -> str:
     """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
     outside_torch_by_phase_gib, memory_log), its generation phase in parts (gen_parts_s), and each step's vLLM call
-    beside the host's speed then (host_loop_ms_gen_each, since 864d4e1's lease), one block a file; empty when none
-    has them."""
+    beside the host's speed and the device's busy share then (host_loop_ms_gen_each, gpu_busy_pct_gen_each, since
+    864d4e1's lease), one block a file; empty when none has them."""
     blocks = []
     for p in paths:
         f = json.loads(Path(p).read_text()).get("flatrl") or {}
@@ -144,13 +144,18 @@ def memory_notes(paths: list[str]) -> str:
                 f"  generation phase {gen:.2f} s, its generate() calls in parts (s): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
             )
-        each, host = f.get("gen_call_each", {}).get("engine"), f.get("host_loop_ms_gen_each")
-        # each step's vLLM call beside the host's speed then (a fixed loop's ms, another process)
-        if each and host:
+        each = f.get("gen_call_each", {}).get("engine") or []
+        host, busy = f.get("host_loop_ms_gen_each") or [], f.get("gpu_busy_pct_gen_each") or []
+        # each step's vLLM call beside the host's speed (a fixed loop's ms, another process) and the device's busy %
+        if each and (host or busy):
+            cell = lambda v, unit: "-" if v is None else f"{v:.1f} {unit}"  # noqa: E731
             lines.append(
-                "  each step's vLLM call (s) / the host's loop (ms) meanwhile: "
+                "  each step's vLLM call, the host's loop and the device's busy share meanwhile: "
                 + ", ".join(
-                    f"{e:.2f} / {'-' if h is None else f'{h:.1f}'}" for e, h in zip(each, host, strict=False)
+                    f"{e:.2f} s / {cell(h, 'ms')} / {cell(b, '%')}"
+                    for e, h, b in zip(
+                        each, host or [None] * len(each), busy or [None] * len(each), strict=False
+                    )
                 )
             )
         if outside:  # negative where the sleeping engine's released pool still counts in torch's reserved

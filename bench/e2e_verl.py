@@ -256,7 +256,7 @@ class DeviceWatch:
     def __init__(self, metrics: Path | None, period_s: float = 0.25) -> None:
         self.metrics, self.period_s = metrics, period_s
         self.samples: list[tuple[float, float]] = []  # (time, GiB used)
-        self.clocks: list[tuple[float, float, float, float, int]] = []
+        self.clocks: list[tuple[float, ...]] = []  # (time, *GpuClocks.read())
         self.lines: list[float] = []  # time each metrics line was first seen
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)

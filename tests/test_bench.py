@@ -354,16 +354,19 @@ def test_e2e_table_ratios_match_the_bench(monkeypatch):
 
 
 def test_e2e_table_sets_each_vllm_call_beside_the_hosts_speed(monkeypatch, tmp_path):
-    """memory_notes: each step's vLLM call (gen_call_each) beside the host's loop ms in that step's generation
-    (host_loop_ms_gen_each), '-' where no sample fell in it; a file without them prints no such line."""
+    """memory_notes: each step's vLLM call (gen_call_each) beside the host's loop ms and the device's busy % in
+    that step's generation, '-' where no sample fell in it or the file lacks it; without both, no such line."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import e2e_table
 
     path = tmp_path / "e2e.json"
     flatrl = {"gen_parts_s": {"engine": 5.0}, "gen_call_each": {"engine": [5.42, 6.71]}}
-    path.write_text(json.dumps({"flatrl": flatrl | {"host_loop_ms_gen_each": [7.7, None]}}))
+    more = {"host_loop_ms_gen_each": [7.7, None], "gpu_busy_pct_gen_each": [61.25, 48.0]}
+    path.write_text(json.dumps({"flatrl": flatrl | more}))
     notes = e2e_table.memory_notes([str(path)])
-    assert "vLLM call (s) / the host's loop (ms) meanwhile: 5.42 / 7.7, 6.71 / -" in notes
+    assert "device's busy share meanwhile: 5.42 s / 7.7 ms / 61.2 %, 6.71 s / - / 48.0 %" in notes
+    path.write_text(json.dumps({"flatrl": flatrl | {"host_loop_ms_gen_each": [7.7, 8.0]}}))  # no busy share
+    assert "5.42 s / 7.7 ms / -, 6.71 s / 8.0 ms / -" in e2e_table.memory_notes([str(path)])
     path.write_text(json.dumps({"flatrl": flatrl}))
     assert "host's loop" not in e2e_table.memory_notes([str(path)])
 

