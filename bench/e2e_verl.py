@@ -250,7 +250,7 @@ def summarise(rows: list[dict]) -> dict:
 
 class DeviceWatch:
     """Samples the device's used memory (total minus free, every process) every `period_s` in a thread, the
-    device's clocks where NVML is there (`clocks`: common.GpuClocks' (time, SM MHz, C, W, reasons)), and the
+    device's clocks where NVML is there (`clocks`: (time, *common.GpuClocks.read()), busy % last), and the
     time at which each line of a run's metrics file (verl's, grpo.py's; None: none) appears."""
 
     def __init__(self, metrics: Path | None, period_s: float = 0.25) -> None:
