@@ -199,12 +199,9 @@ def test_bare_vllm_runs_after_flatrl_and_gives_the_generation_floor(tmp_path, mo
     assert q["bare_vllm_share_of_trl_step"] == 4.0 / 20.0 and q["bare_vllm_share_of_verl_step"] is None
     assert r["targets"]["flatrl_gen_vs_bare_vllm"] == 1.1 and r["settings"]["bare_vllm"] == "on"
     taken = bench_e2e.main(bench_e2e.parse([*base, "--flatrl-from", str(out), "--skip-trl"]))
-    floor = taken[
-        "bare_vllm"
-    ]  # the earlier file's, with the host's speed around its run there (run_framework)
-    assert (
-        floor.pop("host_loop_s") == r["bare_vllm"]["host_loop_s"] and len(r["bare_vllm"]["host_loop_s"]) == 2
-    )
+    # the earlier file's floor, with the host's speed around its run there (run_framework)
+    floor, around = taken["bare_vllm"], r["bare_vllm"]["host_loop_s"]
+    assert floor.pop("host_loop_s") == around and len(around) == 2
     assert floor == {"gen_s": 4.0, "from_file": str(out)}
     assert taken["ratios"]["bare_vllm_share_of_flatrl_step"] == 0.4 and order.count("bare") == 1
     with pytest.raises(SystemExit):  # asked for where flatrl does not run: refused, not skipped
