@@ -898,7 +898,7 @@ def main(cfg: GRPOConfig) -> dict[str, float]:
             # 8. validate, log, save when due
             own = {"kl_coef": kl_ctrl.value}
             save = functools.partial(
-                rl.save, run, step, components, scheduler, guard, results, own, offload=offload
+                rl.save, run, step, components, scheduler, guard, results, own, offload=offload, engine=engine
             )
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:

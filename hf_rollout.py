@@ -171,8 +171,9 @@ class HFEngine:
                 f"rollout: push_weights missed {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
             )
 
-    def sleep(self) -> None:
-        """Moves the copy to host memory (CUDA with free_cache_engine only)."""
+    def sleep(self, level: int | None = None) -> None:
+        """Moves the copy to host memory (CUDA with free_cache_engine only); `level` is vLLM's, and this copy's
+        weights are always kept."""
         if self.cfg.free_cache_engine and self.device.type == "cuda" and not self.on_host:
             self.model.to("cpu")
             torch.cuda.empty_cache()

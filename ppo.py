@@ -444,7 +444,7 @@ def main(cfg: PPOConfig) -> dict[str, float]:
                     rl.push(run, engine, policy)
             own = dict(critic_scheduler=critic_scheduler.state_dict(), kl_coef=kl_ctrl.value)
             save = functools.partial(
-                rl.save, run, step, components, scheduler, guard, results, own, offload=offload
+                rl.save, run, step, components, scheduler, guard, results, own, offload=offload, engine=engine
             )
             rl.finish_step(run, engine, step, samples, metrics, timer, guard, results, save)
     finally:

@@ -271,7 +271,7 @@ class Engine(Protocol):
         probes: bool = False,
     ) -> list[Completion]: ...
     def push_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-    def sleep(self) -> None: ...
+    def sleep(self, level: int | None = None) -> None: ...
     def wake_up(self) -> None: ...
     def pop_call_seconds(self) -> dict[str, float]: ...
     def shutdown(self) -> None: ...
@@ -739,12 +739,14 @@ class VLLMEngine:
             size = start + flat.numel()
         send(final=True)
 
-    def sleep(self) -> None:
-        """Frees the KV cache (and weights, per cfg.sleep_level) for training; a no-op without sleep mode."""
+    def sleep(self, level: int | None = None) -> None:
+        """Frees the KV cache (and weights, per `level`, else cfg.sleep_level: 2 discards them, 1 keeps them in
+        host memory) for training; a no-op without sleep mode."""
+        level = self.cfg.sleep_level if level is None else level
         if self.sleep_enabled and not self.asleep:
             with watchdog.deadline("sleep", self.cfg.timeout_s):
-                self.llm.sleep(level=self.cfg.sleep_level)
-            self.asleep, self.weights_lost = True, self.cfg.sleep_level >= 2
+                self.llm.sleep(level=level)
+            self.asleep, self.weights_lost = True, level >= 2
             if self.cfg.trainer_expandable_segments:  # sleep_enabled: CUDA only
                 _expandable_segments(True)
 

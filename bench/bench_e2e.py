@@ -217,6 +217,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
             "peak_device_used_sampled_gib": watch.peak(*steps_window(lines, watch.lines)),
             "peak_device_used_run_gib": watch.peak(),
             "device_used_sampled_by_phase_gib": sampled_by_phase(lines, watch.lines, watch.samples),
+            "peak_device_used_where": peak_where(lines, watch.lines, watch.samples),
             # the SM clock (MHz) in each phase, mean of its samples: is generation slower in the step than alone
             # because the device runs slower after the update (its power limit, its heat)?
             "sm_clock_mhz_by_phase": sampled_by_phase(
@@ -393,6 +394,25 @@ def sampled_by_phase(
                 name = next((n for n, a, b in spans if a <= when < b), "untimed")
                 out.setdefault(name, []).append(value)
     return {k: round(reduce(v), 2) for k, v in out.items()}
+
+
+def peak_where(lines: list[dict], seen_at: list[float], samples: list[tuple[float, float]]) -> dict | None:
+    """Where the largest sample within the training steps (step_spans) fell: its value, the step (1 the first),
+    the seconds into that step, its phase ("untimed" outside every phase) and the phase before it. At e3556ff the
+    1.5B run's peak used (41.8 GiB) was an untimed sample, 9.7 GiB over every phase's own largest: this says when.
+    None where no sample fell within a step."""
+    best = None
+    for i, (start, end, spans) in enumerate(step_spans(lines, seen_at)):
+        for when, value in samples:
+            if start <= when <= end and (best is None or value > best[0]):
+                best = (value, i, when - start, spans, when)
+    if best is None:
+        return None
+    value, i, into, spans, when = best
+    phase = next((n for n, a, b in spans if a <= when < b), "untimed")
+    before = [n for n, a, b in spans if b <= when]
+    return {"gib": round(value, 2), "step": i + 1, "s_into_step": round(into, 2), "phase": phase,
+            "after": before[-1] if before else None}  # fmt: skip
 
 
 def phase_each_step(
@@ -983,11 +1003,16 @@ SAME = ("num_prompts", "n", "prompt_len", "response_len")
 
 
 def earlier_results(
-    args: argparse.Namespace, p: argparse.ArgumentParser, flag: str, path: str, names: list[str]
+    args: argparse.Namespace,
+    p: argparse.ArgumentParser,
+    flag: str,
+    path: str,
+    names: list[str],
+    required: bool = True,
 ) -> dict[str, dict]:
     """The results of `names` (frameworks) in the JSON at `path` (an earlier bench_e2e --out, given as `flag`) that
     have a step time, each marked with the file and its commit; refused unless the file ran this run's shape and
-    holds at least one of them."""
+    (where `required`) holds at least one of them."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -995,9 +1020,11 @@ def earlier_results(
     if not isinstance(earlier, dict):
         p.error(f"{flag} {path}: not a bench_e2e result (it holds {str(earlier)[:200]})")
     found = {n: earlier.get(n) for n in names if isinstance(earlier.get(n), dict) and "step_s" in earlier[n]}
-    if not found:
+    if not found and required:
         held = {n: str(earlier.get(n))[:100] for n in names}
         p.error(f"{flag} {path}: no step_s for {', '.join(names)} (it holds {held})")
+    if not found:  # nothing is taken from it, so its settings do not matter
+        return {}
     theirs = {"model": earlier.get("model")} | {k: earlier.get("settings", {}).get(k) for k in SAME}
     ours = {"model": args.model} | {k: getattr(args, k) for k in SAME}
     diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
@@ -1148,10 +1175,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--peers-from",
+        action="append",
         default=None,
         metavar="JSON",
         help="take the peers this run does not run (not in --peers) from an earlier --out of the same --model, "
-        "batch and lengths on this machine, so a flatrl-only run still gets its ratios",
+        "batch and lengths on this machine, so a flatrl-only run still gets its ratios; give it once per file "
+        "(the defaults part's TRL, the verl part's verl): each peer comes from the first file that holds its step",
     )
     p.add_argument(
         "--verl-steps", type=int, default=3, help="verl steps (the first is reported apart), as TRL's"
@@ -1228,13 +1257,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     others = [x for x in ("trl", "verl") if x not in args.peers]
     if args.peers_from and not others:
         p.error(
-            f"--peers-from {args.peers_from}: every peer runs here (--peers {','.join(args.peers)}); drop one"
+            f"--peers-from {', '.join(args.peers_from)}: every peer runs here (--peers {','.join(args.peers)}); "
+            "drop one"
         )
-    args.peer_results = (
-        earlier_results(args, p, "--peers-from", args.peers_from, others)
-        if args.peers_from and args.worker is None
-        else {}
-    )
+    args.peer_results = {}
+    if args.peers_from and args.worker is None:
+        for path in args.peers_from:
+            found = earlier_results(args, p, "--peers-from", path, others, required=len(args.peers_from) == 1)
+            if not found:  # one of several files: the others may hold the peers
+                print(
+                    f"--peers-from {path}: no step_s for {', '.join(others)}; the other files' taken",
+                    file=sys.stderr,
+                )
+            args.peer_results = found | args.peer_results  # the first file that holds a peer gives it
+        if not args.peer_results:
+            p.error(f"--peers-from {', '.join(args.peers_from)}: none holds a step_s for {', '.join(others)}")
     if args.worker is None and args.model != "smollm2" and args.model_path:
         p.error(
             f"--model-path {args.model_path}: only --model smollm2 takes a folder (--model {args.model} is built)"

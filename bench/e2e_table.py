@@ -129,7 +129,8 @@ def memory_notes(paths: list[str]) -> str:
     """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
     outside_torch_by_phase_gib, memory_log), its generation phase in parts (gen_parts_s), and each step's vLLM call
     beside the host's speed and the device's busy share then (host_loop_ms_gen_each, gpu_busy_pct_gen_each, since
-    864d4e1's lease), one block a file; empty when none has them."""
+    864d4e1's lease) and when the steps' peak device memory was sampled (peak_device_used_where), one block a file;
+    empty when none has them."""
     blocks = []
     for p in paths:
         f = json.loads(Path(p).read_text()).get("flatrl") or {}
@@ -158,6 +159,11 @@ def memory_notes(paths: list[str]) -> str:
                     )
                 )
             )
+        if where := f.get("peak_device_used_where"):  # bench_e2e.peak_where: when the steps' peak was sampled
+            lines.append(
+                f"  the steps' largest device-used sample: {where['gib']:.2f} GiB in step {where['step']}, "
+                f"{where['s_into_step']:.2f} s in, phase {where['phase']} (after {where['after']})"
+            )
         if outside:  # negative where the sleeping engine's released pool still counts in torch's reserved
             lines.append(
                 "  outside torch's allocator at each phase's end (GiB): "
@@ -169,8 +175,11 @@ def memory_notes(paths: list[str]) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) < 2:
-        sys.exit("usage: python3 bench/e2e_table.py E2E_JSON...")
+        sys.exit("usage: python3 bench/e2e_table.py E2E_JSON... (--help: what the columns are)")
     print(table(sys.argv[1:]))
     if notes := memory_notes(sys.argv[1:]):
         print("\n" + notes)

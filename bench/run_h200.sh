@@ -33,6 +33,10 @@
 #                                      where the loop's call spends its 1.136x of the call alone (d03c3d6)
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from);
 #                                      STEPS (4) steps, then bare vLLM's runs
+#   trl        (no carry, a job, 128 s at 1.5b on a fast H100 host)  TRL alone at $MODEL, flatrl's figures from the
+#                                      flatrl part's JSON on this machine (--flatrl-from): the flatrl, verl and trl
+#                                      parts give one machine's row of all three in one lease (e3556ff: 1.5b in
+#                                      ~1,100 s of device time with the install)
 #   verl       (carry .gpu_verl1 .gpu_trl, a job)  unpacks verl (first time), then runs verl at $MODEL, flatrl's
 #                                      figures from the defaults part's JSON on this machine (--flatrl-from), so the
 #                                      ratios come out (VERL_ATTENTION=sdpa-padded: the runs before 2026-12-06, no
@@ -103,15 +107,14 @@ fi
 python3 -c "import tyro" || { echo "== tyro is missing: carry .gpu_trl (bench/build_trl_payload.sh) with this call"; exit 3; }
 
 MODEL=${MODEL:-0.5b}
-# The flatrl-only parts (levers, compile, fast, levers2, fused, share, async) take TRL's figures from the defaults part
-# on this machine, for ratios.
-peers_from=()
-[ -f "$WORK/json/e2e_defaults_$MODEL.json" ] && peers_from=(--peers-from "$WORK/json/e2e_defaults_$MODEL.json")
+# The flatrl-only parts (levers, compile, fast, levers2, fused, share, async) take the peers' figures from the parts
+# before them on this machine, for ratios: TRL from the defaults part (or the trl part), verl from the verl part.
+# A file that holds no peer (the flatrl part's) is passed over with a line (2026-12-07: it alone failed `fast`).
 path_args=()  # MODEL=smollm2: the real model the smollm2 part converted, and its TRL figures from that part
-if [ "$MODEL" = smollm2 ]; then
-  path_args=(--model-path /tmp/real/model)
-  [ -f "$WORK/json/e2e_smollm2.json" ] && peers_from=(--peers-from "$WORK/json/e2e_smollm2.json")
-fi
+candidates=("$WORK/json/e2e_defaults_$MODEL.json" "$WORK/json/e2e_trl_$MODEL.json")
+if [ "$MODEL" = smollm2 ]; then path_args=(--model-path /tmp/real/model); candidates=("$WORK/json/e2e_smollm2.json"); fi
+peers_from=()
+for f in "${candidates[@]}" "$WORK/json/e2e_verl_$MODEL.json"; do [ -f "$f" ] && peers_from+=(--peers-from "$f"); done
 
 run() {  # run NAME CMD...: one bench, timed; a failure is logged and the next bench still runs
   local name=$1; shift
@@ -250,6 +253,13 @@ elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min a
   # (STEPS: more steps than bench_e2e's 4 show whether generation keeps growing from step to step)
   start_job e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
     --steps "${STEPS:-4}" --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
+  follow_job
+elif [ "$part" = trl ]; then  # TRL alone at $MODEL against the flatrl part's figures on this machine (128 s at 1.5b
+  # on a fast H100 host, 2026-12-07), so flatrl, TRL and verl share one machine in one lease: flatrl, verl, trl
+  from=$WORK/json/e2e_defaults_$MODEL.json
+  [ -f "$from" ] || { echo "== $from is missing: run the flatrl (or defaults) part on this machine first"; exit 2; }
+  start_job e2e-trl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --peers trl \
+    --flatrl-from "$from" --out "$jobs/e2e-trl-$MODEL/e2e_trl_$MODEL.json"
   follow_job
 elif [ "$part" = verl ]; then
   # verl's main_ppo took more than 320 s to reach its first step on an H100 host (2026-12-05: Ray and its task

@@ -369,6 +369,13 @@ def test_e2e_table_sets_each_vllm_call_beside_the_hosts_speed(monkeypatch, tmp_p
     assert "5.42 s / 7.7 ms / -, 6.71 s / 8.0 ms / -" in e2e_table.memory_notes([str(path)])
     path.write_text(json.dumps({"flatrl": flatrl}))
     assert "host's loop" not in e2e_table.memory_notes([str(path)])
+    assert "largest device-used sample" not in e2e_table.memory_notes([str(path)])
+    where = {"gib": 41.834, "step": 2, "s_into_step": 15.2, "phase": "untimed", "after": "sync"}
+    path.write_text(json.dumps({"flatrl": flatrl | {"peak_device_used_where": where}}))
+    assert (
+        "the steps' largest device-used sample: 41.83 GiB in step 2, 15.20 s in, phase untimed (after sync)"
+        in e2e_table.memory_notes([str(path)])
+    )
 
 
 def test_bench_rollout_refuses_an_unknown_run_before_the_engine(monkeypatch, capsys):
@@ -510,3 +517,40 @@ def test_run_h200_job_outlives_its_call(tmp_path):
     t0 = time.monotonic()
     gone = part("wait", tmp_path / "out6", 30)
     assert "e2e-flatrl-0.5b ended without an exit status" in gone.stdout and time.monotonic() - t0 < 15
+
+
+def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
+    """The flatrl-only parts pass bench_e2e one --peers-from for each earlier part's JSON on this machine (the
+    flatrl part's, TRL's, verl's), and the trl part runs TRL alone against the flatrl part's figures, refusing
+    to start without them. bench_e2e.py is a stub that logs its arguments and writes its --out."""
+    stub, work = tmp_path / "bin", tmp_path / "work"
+    stub.mkdir()
+    (stub / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        '[ "$1" = bench/bench_e2e.py ] || exit 0\n'
+        f'echo "$*" >> {tmp_path}/calls\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+        'mkdir -p "$(dirname "$out")"; echo \'{"trl": {"step_s": 2.0}}\' > "$out"\n'
+    )
+    (stub / "python3").chmod(0o755)
+    env = dict(
+        os.environ, PATH=f"{stub}:{os.environ['PATH']}", POLL_S="1", WORK=str(work), FLATRL_COMMIT="test"
+    )
+
+    def part(name: str, **extra: str) -> subprocess.CompletedProcess:
+        e = env | {"OUT": str(tmp_path / f"out_{name}"), "WAIT_S": "30"} | extra
+        cmd = ["bash", str(ROOT / "bench" / "run_h200.sh"), name]
+        return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+
+    refused = part("trl", MODEL="1.5b")
+    assert refused.returncode == 2 and "e2e_defaults_1.5b.json is missing" in refused.stdout
+    assert part("flatrl", MODEL="1.5b").returncode == 0
+    assert part("trl", MODEL="1.5b").returncode == 0
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "--peers trl --flatrl-from " + str(work / "json" / "e2e_defaults_1.5b.json") in calls[-1]
+    (work / "json" / "e2e_verl_1.5b.json").write_text("{}")
+    assert part("fast", MODEL="1.5b", EAGER="0").returncode == 0
+    last = (tmp_path / "calls").read_text().splitlines()[-1]
+    assert last.count("--peers-from") == 3
+    for name in ("e2e_defaults_1.5b.json", "e2e_trl_1.5b.json", "e2e_verl_1.5b.json"):
+        assert f"--peers-from {work / 'json' / name}" in last

@@ -81,7 +81,7 @@ def test_a_flatrl_only_run_takes_its_peers_from_an_earlier_run(tmp_path, monkeyp
     assert r["trl"]["step_s"] == 32.0 and r["trl"]["from_commit"] == "abc1234"
     assert r["ratios"]["flatrl_vs_trl_step_time"] == 10.0 / 32.0
     assert r["ratios"]["flatrl_vs_trl_peak_device_used"] == 40.0 / 53.0
-    assert r["verl"]["skipped"] == "not in --peers (none)" and r["settings"]["peers_from"] == str(earlier)
+    assert r["verl"]["skipped"] == "not in --peers (none)" and r["settings"]["peers_from"] == [str(earlier)]
     with pytest.raises(SystemExit):  # the file's shape must be this run's
         bench_e2e.parse([*base, "--num-prompts", "32", "--peers-from", str(earlier)])
     assert "ran other settings, (file, this run): {'num_prompts': (64, 32)}" in capsys.readouterr().err
@@ -95,6 +95,25 @@ def test_a_flatrl_only_run_takes_its_peers_from_an_earlier_run(tmp_path, monkeyp
     with pytest.raises(SystemExit):  # no peer with a step time in the file
         bench_e2e.parse([*base, "--peers-from", str(flatrl_only)])
     assert "no step_s for trl, verl" in capsys.readouterr().err
+
+    # several files (the flatrl part's, then TRL's, then verl's on one machine): each peer from the first that
+    # holds it; a file without any is said, not refused, while another holds one
+    settings = {"num_prompts": 64, "n": 8, "prompt_len": 256, "response_len": 512, "token_budget": 16384}
+    verl_run = tmp_path / "verl.json"
+    verl_run.write_text(json.dumps({
+        "model": "0.5b", "hardware": {"commit": "def5678"}, "settings": settings,
+        "trl": {"step_s": 99.0}, "verl": {"step_s": 40.0, "peak_device_used_gib": 45.0},
+    }))  # fmt: skip
+    files = ["--peers-from", str(flatrl_only), "--peers-from", str(earlier), "--peers-from", str(verl_run)]
+    r = bench_e2e.main(bench_e2e.parse([*base, *files]))
+    assert f"--peers-from {flatrl_only}: no step_s for trl, verl" in capsys.readouterr().err
+    assert r["trl"]["step_s"] == 32.0 and r["trl"]["from_file"] == str(earlier)  # the first file's, not 99.0
+    assert r["verl"]["step_s"] == 40.0 and r["verl"]["from_commit"] == "def5678"
+    assert r["ratios"]["flatrl_vs_verl_step_time"] == 10.0 / 40.0
+    assert r["ratios"]["flatrl_vs_lower_peer_peak_device_used"] == 40.0 / 45.0
+    with pytest.raises(SystemExit):  # none of the files holds a peer
+        bench_e2e.parse([*base, "--peers-from", str(flatrl_only), "--peers-from", str(flatrl_only)])
+    assert "none holds a step_s for trl, verl" in capsys.readouterr().err
 
 
 def test_peers_alone_and_flatrl_from_an_earlier_run(tmp_path, monkeypatch, offline, capsys):

@@ -258,6 +258,15 @@ def test_each_sampled_peak_is_put_in_the_phase_that_held_it():
     assert bench_e2e.sampled_by_phase(lines, seen[:2], samples) == {
         "gen": 31.0, "update": 20.0, "offload": 44.0, "untimed": 25.0,
     }  # fmt: skip
+    # where the largest sample fell: step 1's offload, 8.2 s into it, after the update
+    assert bench_e2e.peak_where(lines, seen, samples) == {
+        "gib": 44.0, "step": 1, "s_into_step": 8.2, "phase": "offload", "after": "update",
+    }  # fmt: skip
+    late = samples + [(28.8, 50.0)]  # step 2, past its phases (20-28.5): untimed, after sync
+    assert bench_e2e.peak_where(lines, seen, late) == {
+        "gib": 50.0, "step": 2, "s_into_step": 8.8, "phase": "untimed", "after": "sync",
+    }  # fmt: skip
+    assert bench_e2e.peak_where(lines, seen, [(1.0, 99.0), (40.0, 98.0)]) is None  # none within a step
     # the mean of each phase's samples instead of the largest (the SM clock by phase)
     assert bench_e2e.sampled_by_phase(lines, seen, samples, bench_e2e.statistics.fmean) == {
         "gen": 31.33, "update": 20.5, "offload": 44.0, "sync": 35.0, "untimed": 25.0,  # gen: (30+31+33)/3

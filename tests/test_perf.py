@@ -526,6 +526,26 @@ def test_optimizer_offload_before_the_engine_the_first_push_and_after_a_save(mon
     rl.save(run, 1, {"": (None, opt, {})}, None, None, {}, offload=offload)
     assert events[-2:] == ["save", "offload"]
 
+    # an engine that can sleep sleeps through the save at level 1 (the state read back beside the awake engine
+    # was the run's peak at e3556ff), its weights kept for the next generate(); not without an offloaded state,
+    # nor while it generates ahead, nor where it cannot sleep
+    class Engine:
+        sleep_enabled = True
+
+        def sleep(self, level=None):
+            events.append(f"sleep level {level}")
+
+    events.clear()
+    rl.save(run, 2, {"": (None, opt, {})}, None, None, {}, offload=offload, engine=Engine())
+    assert events == ["sleep level 1", "save", "offload"]
+    events.clear()
+    rl.save(run, 3, {"": (None, opt, {})}, None, None, {}, offload=[], engine=Engine())
+    rl.save(SimpleNamespace(**vars(run) | {"ahead": SimpleNamespace(position=None)}), 4, {"": (None, opt, {})}, None, None, {},
+            offload=offload, engine=Engine())  # fmt: skip
+    Engine.sleep_enabled = False  # CPU, or sleep mode off
+    rl.save(run, 5, {"": (None, opt, {})}, None, None, {}, offload=offload, engine=Engine())
+    assert events == ["save", "save", "offload", "save", "offload"]
+
 
 def cache_kept_after_training(eager: bool) -> int:
     """Bytes of torch's cache that empty_cache cannot return after two AdamW steps of 4 Linear(1024, 1024)
