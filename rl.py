@@ -415,10 +415,10 @@ def save(
 ) -> Path:
     """Writes RUN/global_step_N/ with every component (collective); `extra` is the script's own JSON state.
     Reading an offloaded optimizer state brings it back to the device (its state_dict hook); `offload` sends it
-    back to the host once written, before the next step's generation. Beside the awake engine that state was the
-    run's peak (e3556ff, 1.5B: 41.8 GiB, 9.7 over every phase's own peak, the last step's save), so an `engine`
-    that can sleep sleeps through the save, at level 1: its weights wait in host memory, and the next generate()
-    wakes it without a push. One generating ahead (rollout.async_steps) stays awake."""
+    back to the host once written, before the next step's generation. Beside the awake engine that state most
+    likely made the run's peak (e3556ff, 1.5B: 41.8 GiB, 9.7 over every phase's own, sampled after the last step's
+    row), so an `engine` that can sleep sleeps through the save, at level 1: its weights wait in host memory, and
+    the next generate() wakes it without a push. One generating ahead (rollout.async_steps) stays awake."""
     nap = bool(offload) and run.ahead is None and getattr(engine, "sleep_enabled", False)
     if nap:
         engine.sleep(level=1)

@@ -1266,7 +1266,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             found = earlier_results(args, p, "--peers-from", path, others, required=len(args.peers_from) == 1)
             if not found:  # one of several files: the others may hold the peers
                 print(
-                    f"--peers-from {path}: no step_s for {', '.join(others)}; the other files' taken",
+                    f"--peers-from {path}: no step_s for {', '.join(others)}; the peers come from the other files",
                     file=sys.stderr,
                 )
             args.peer_results = found | args.peer_results  # the first file that holds a peer gives it
