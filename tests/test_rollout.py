@@ -445,7 +445,8 @@ def test_two_rank_external_launcher(tiny: Path, tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("level", [1, 2])
 def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
-    """CUDA only: sleep frees memory, push after sleep wakes weights then KV cache, level 2 refuses stale generate.
+    """CUDA only: sleep frees memory, push after sleep wakes weights then KV cache, level 2 refuses stale generate,
+    and a level-1 sleep (rl.save's nap) keeps the weights for a generate() without a push.
     A tensor made after the training phase's activations were freed (as the optimizer's lazy moments once were)
     keeps their whole block reserved through the wake without expandable segments (level 1 runs without them),
     and only its own pages with them (level 2, the default).
@@ -489,10 +490,11 @@ def test_vllm_sleep_wake_push_gpu(tiny: Path, level: int) -> None:
     # weights are off by > 1e-2 (test_vllm_push_matches_transformers), so 1e-2 still tells them apart.
     tol = 1e-2
     assert max_logprob_err(model.cpu(), out, PROMPTS) < tol
-    if level == 1:  # weights come back from host memory
-        engine.sleep()
-        engine.wake_up()
-        assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < tol
+    # weights come back from host memory after a level-1 sleep, at either configured level: a level-2 engine
+    # naps at level 1 through a checkpoint save (rl.save), and the next generate() wakes it without a push
+    engine.sleep(level=1)
+    assert engine.asleep and not engine.weights_lost
+    assert max_logprob_err(model, engine.generate(PROMPTS, greedy, 16), PROMPTS) < tol
     # a seeded call (the global generator seeded for the call, in this process) against its repeat on CUDA
     sampling = rollout.SamplingConfig(n=3, temperature=1.0)
     first, other = (engine.generate(PROMPTS, sampling, 12, seed=s) for s in (11, 12))
