@@ -101,6 +101,12 @@ class RLTrainerConfig(config.TrainerConfig):
     plan: bool = False
     """Print the memory plan (perf.plan: each phase's estimated device memory next to the device's, and the
     flag to lower where it does not fit) and exit before loading anything."""
+    save_freq: int | Literal["end"] = "end"
+    """Checkpoint every N steps and after the last (verl's); 0 or less: never, as in verl's RL trainer (a stop
+    by signal still saves, so the same command resumes); end: only after the last step."""
+    test_freq: int | Literal["end"] = "end"
+    """Validate every N steps and after the last (verl's); 0 or less: never during or after training, as in
+    verl's RL trainer (val_before_train decides before); end: only after the last step."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,12 @@ def start(cfg: Any) -> Run:
         fsdp.print0(
             f"note: data.truncation={cfg.data.truncation} cuts nothing: data.filter_overlong_prompts=True (flatrl's "
             "default; verl's is false) drops overlong prompts first; set it false to cut them",
+            file=sys.stderr,
+        )
+    if not cfg.trainer.val_only and not saves(cfg.trainer.save_freq):  # verl's -1, once flatrl's "end"
+        fsdp.print0(
+            f"note: trainer.save_freq={cfg.trainer.save_freq} saves no checkpoint, as in verl (only a stop by signal "
+            "does, so the same command resumes); trainer.save_freq=end saves once after the last step",
             file=sys.stderr,
         )
     for line in data.unread_template_kwargs(tokenizer, cfg.data.apply_chat_template_kwargs):
@@ -746,6 +758,17 @@ def rollout_metrics(samples: list[actor.Sample], n: int) -> dict[str, float]:
     }
 
 
+def saves(freq: int | str) -> bool:
+    """Whether trainer.save_freq (or test_freq) ever fires: "end" or N > 0; verl's 0 or -1 never does."""
+    return freq == "end" or freq > 0
+
+
+def due(freq: int | str, step: int, last: bool) -> bool:
+    """Whether trainer.save_freq or test_freq fires after step `step` (1-based): every N steps and after the
+    last, or only after the last ("end"); never at 0 or less, as in verl's RL trainer."""
+    return saves(freq) and (last or (freq != "end" and step % freq == 0))
+
+
 def finish_step(
     run: Run,
     engine: rollout.Engine,
@@ -763,7 +786,7 @@ def finish_step(
     last = step == run.total_steps
     # the step's generate() calls in parts (rollout.VLLMEngine.pop_call_seconds), before validation's own calls
     metrics |= {f"perf/gen_{k}_s": v for k, v in engine.pop_call_seconds().items()}
-    if run.val is not None and (last or (trainer.test_freq > 0 and step % trainer.test_freq == 0)):
+    if run.val is not None and due(trainer.test_freq, step, last):
         with timer("val"):
             metrics |= validate(run, engine, step)
         engine.pop_call_seconds()  # and out of the next step's
@@ -793,17 +816,22 @@ def finish_step(
         fsdp.print0(f"debug step {step}: {norms}, {perf.peaks_text(metrics)}")
     results |= {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/mean"))}
     stop = fsdp.stop_requested()  # SIGTERM on any rank: save, then exit (the same command resumes)
-    if stop or guard.stop or last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+    path = None
+    if stop or (guard.stop and saves(trainer.save_freq)) or due(trainer.save_freq, step, last):
         path = save_fn()
-        if stop and not last:
-            fsdp.print0(
-                f"stopped by signal {stop} after step {step}; {path} holds it: the same command resumes"
-            )
-            raise SystemExit(128 + stop)
-        if guard.stop:
-            raise RuntimeError(
-                f"step {step}: the loss or gradient norm was NaN/inf in the last {guard.consecutive} optimizer "
-                f"steps in a row (trainer.max_consecutive_skips={trainer.max_consecutive_skips}); none of them "
-                f"updated the weights, so {path} holds the last good ones. Look at those steps' data or lower "
-                "the learning rate, then resume from it."
-            )
+    if stop and not last:
+        fsdp.print0(f"stopped by signal {stop} after step {step}; {path} holds it: the same command resumes")
+        raise SystemExit(128 + stop)
+    if guard.stop:
+        held = (
+            f"so {path} holds the last good ones. Look at those steps' data or lower the learning rate, then "
+            "resume from it."
+            if path
+            else f"and trainer.save_freq={trainer.save_freq} saves no checkpoint. Look at those steps' data or "
+            "lower the learning rate."
+        )
+        raise RuntimeError(
+            f"step {step}: the loss or gradient norm was NaN/inf in the last {guard.consecutive} optimizer "
+            f"steps in a row (trainer.max_consecutive_skips={trainer.max_consecutive_skips}); none of them "
+            f"updated the weights, {held}"
+        )

@@ -17,6 +17,7 @@ import fsdp
 import grpo
 import lora
 import optim
+import rl
 
 torch.set_num_threads(1)
 
@@ -56,8 +57,8 @@ def test_check_resume_config_reads_the_checkpoint(tmp_path, capsys):
     assert str(e.value).startswith(f"resume from {tmp_path}: settings differ") and "\n" not in str(e.value)
     assert "data.seed: 1 -> 9" in str(e.value) and "trainer.seed" not in str(e.value)
     changed = checkpoint.check_resume_config(tmp_path, new, ["trainer.seed,data.seed"])
-    assert changed == ["data.seed: 1 -> 9", "trainer.save_freq: -1 -> 2", "trainer.seed: 0 -> 7"]
-    assert "changed on resume: trainer.save_freq: -1 -> 2" in capsys.readouterr().out
+    assert changed == ["data.seed: 1 -> 9", "trainer.save_freq: 'end' -> 2", "trainer.seed: 0 -> 7"]
+    assert "changed on resume: trainer.save_freq: 'end' -> 2" in capsys.readouterr().out
 
 
 def build(model_dir, device, lora_rank: int = 0):
@@ -98,3 +99,12 @@ def test_another_model_shape_is_one_line(tiny_qwen2, one_rank, tmp_path):
         e.value
     )
     checkpoint.load_checkpoint(ckpt, model, optimizer)  # the same model loads
+
+
+def test_rl_save_and_test_freq_read_as_verls():
+    """trainer.save_freq / test_freq in grpo.py and ppo.py: N fires every N steps and after the last, "end" only after
+    the last (flatrl's default), 0 or less never (verl's RL trainer: `save_freq > 0 and (last or step % N == 0)`)."""
+    assert rl.saves("end") and rl.saves(3) and not rl.saves(0) and not rl.saves(-1)
+    fired = {f: [s for s in range(1, 8) if rl.due(f, s, last=s == 7)] for f in ("end", 3, 1, 0, -1)}
+    assert fired == {"end": [7], 3: [3, 6, 7], 1: list(range(1, 8)), 0: [], -1: []}
+    assert grpo.GRPOConfig().trainer.save_freq == "end" == grpo.GRPOConfig().trainer.test_freq

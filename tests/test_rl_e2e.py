@@ -171,9 +171,11 @@ def test_grpo_survives_a_reward_function_that_raises_hangs_and_returns_junk(toy_
         "custom_reward_function.num_workers": 2,
         "custom_reward_function.max_error_frac": 1.0,
     })  # fmt: skip
-    torchrun("grpo.py", ["--config", "configs/grpo_toy.yaml", *args], env=ENV)
+    p = torchrun("grpo.py", ["--config", "configs/grpo_toy.yaml", *args], env=ENV)
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]  # the run finished
+    # trainer.save_freq=-1 is verl's "never", said once: no checkpoint, not even after the last step
+    assert "trainer.save_freq=-1 saves no checkpoint" in p.stderr and not list(run.glob("global_step_*"))
     for r in rows:  # 16 prompts x 2 samples a step; each kind of failure scores 0 and is counted
         n_fail = r["reward/errors_exception"] + r["reward/errors_timeout"] + r["reward/errors_bad_type"]
         assert (
