@@ -785,7 +785,7 @@ def test_the_loop_offloads_in_a_phase_of_its_own_before_the_push(one_rank, toy_d
     fn.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
     )
-    cfg = toy_grpo_config(toy_dir, tmp_path / "run", fn, steps=2, lr=1e-3)
+    cfg = toy_grpo_config(toy_dir, tmp_path / "run", fn, steps=2, lr=1e-3, save_freq="end")
     assert cfg.model.fsdp_config.offload_optimizer_in_rollout  # the default
     grpo.main(cfg)
     # at build, at the first push, before each step's push, after the last step's checkpoint (rl.save)
