@@ -60,7 +60,8 @@ class ModelConfig:
     """With enable_gradient_checkpointing, which decoder layers recompute: all (verl's and TRL's behaviour); N,
     the first N; auto (grpo.py and ppo.py), the fewest that keep the update phase's planned memory (perf.plan,
     with a 10% margin) at or under the step's largest other phase, which the engine's awake share sets, so the
-    update runs faster without raising the step's peak. The run prints what auto came to. At the e2e bench's
+    update runs faster without raising the step's peak (or, where the update's optimizer step, an offloaded AdamW
+    state back on the device, sets its plan anyway, under that step). The run prints what auto came to. At the e2e bench's
     shapes (vLLM share 0.3 of an H200, one optimizer step a step, the optimizer state offloaded in the rollout)
     the plan gives none of 24 layers at 0.5B, the setting of the H200 run at 8723179 (0.53x TRL's step time, 0.90x
     its peak memory), and 17 of 28 at 1.5B (not yet measured)."""

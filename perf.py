@@ -649,8 +649,10 @@ def resolve_auto_checkpointing(
 ) -> tuple[Any, list[str]]:
     """cfg with each gradient_checkpointing_layers=auto (the policy's model, PPO's critic.model) replaced by the
     fewest decoder layers that keep its update phase's plan, times AUTO_CHECKPOINT_MARGIN, at or under the largest
-    phase without an update (gen, old_logprob, sync: with the engine awake its share sets the step's peak), and
-    a line for each saying what it came to. Without a CUDA device the engine's share is unknown (0 in the plan),
+    phase without an update (gen, old_logprob, sync: with the engine awake its share sets the step's peak), or,
+    where the update's optimizer step sets the update's plan with every layer recomputed (an offloaded AdamW state
+    back on the device: 1.5B on an 80 GB H100), that keep the plan there and its backward, times the margin, under
+    the larger of the two; and a line for each saying what it came to. Without a CUDA device the engine's share is unknown (0 in the plan),
     so auto comes to all layers or nearly."""
     targets = [("model", "update", cfg.model)]
     if getattr(cfg, "critic", None) is not None:
@@ -667,22 +669,36 @@ def resolve_auto_checkpointing(
     shape = model_shape(cfg.model.path)
     said = []
     for key, phase in targets:
+        # the update's optimizer step (an offloaded state back on the device) sets its plan whatever the layers
+        # recompute where the activations stay under it: fewer recomputed layers then raise nothing
+        floor = _update_plan(cfg, key, phase, shape.layers, shape, world_size, device_total)[0]
         for k in range(shape.layers + 1):
-            trial = _with_checkpoint_layers(cfg, key, k)
-            phases = {
-                n: sum(p.values()) for n, p in _plan_phases(trial, shape, world_size, device_total).items()
-            }
-            ceiling = max(phases[n] for n in ("gen", "old_logprob", "sync"))
-            if phases[phase] * AUTO_CHECKPOINT_MARGIN <= ceiling:
+            total, backward, ceiling = _update_plan(cfg, key, phase, k, shape, world_size, device_total)
+            if total * AUTO_CHECKPOINT_MARGIN <= ceiling or (
+                total <= floor * (1 + 1e-9) and backward * AUTO_CHECKPOINT_MARGIN <= max(ceiling, floor)
+            ):
                 break
+        trial = _with_checkpoint_layers(cfg, key, k)
         # every layer is "all": what models whose layers cannot be picked one by one (fsdp.load_model) also take
         cfg = trial if k < shape.layers else _with_checkpoint_layers(cfg, key, "all")
         where = "" if device_total else "; no CUDA device here, so the engine's share is not counted"
         said.append(
             f"{key}.gradient_checkpointing_layers=auto: {k} of {shape.layers} layers recompute ({phase} planned at "
-            f"{phases[phase] / GIB:.1f} GiB against the step's other peak {ceiling / GIB:.1f} GiB{where})"
+            f"{total / GIB:.1f} GiB against the step's other peak {ceiling / GIB:.1f} GiB{where})"
         )
     return cfg, said
+
+
+def _update_plan(
+    cfg: Any, key: str, phase: str, k: int, shape: ModelShape, world_size: int, device_total: float | None
+) -> tuple[float, float, float]:
+    """With `key`'s first k layers recomputed: the update phase's plan, its backward's part (all but the optimizer
+    step's), and the largest phase without an update (bytes)."""
+    plan = _plan_phases(_with_checkpoint_layers(cfg, key, k), shape, world_size, device_total)
+    parts = plan[phase]
+    total = sum(parts.values())
+    backward = total - parts.get("optimizer step", 0.0) - parts.get("critic optimizer step", 0.0)
+    return total, backward, max(sum(plan[n].values()) for n in ("gen", "old_logprob", "sync"))
 
 
 def _with_checkpoint_layers(cfg: Any, key: str, k: int | str) -> Any:

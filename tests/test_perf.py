@@ -718,6 +718,51 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_keep_the_update_under_t
         assert totals(layers - 1)["update"] * perf.AUTO_CHECKPOINT_MARGIN > ceiling
 
 
+def test_auto_checkpointing_keeps_layers_whole_under_the_optimizer_steps_own_peak(tmp_path):
+    """1.5B on an 80 GB H100 with the bench's one optimizer step a step and the AdamW state offloaded in the
+    rollout: the state's return at the step sets the update's plan (above the engine's phases) even with every layer
+    recomputed. Small micro-batches whose activations, times the margin, stay under that step then need no
+    recomputation there; 16,384-token ones still recompute nearly all layers."""
+    import grpo
+
+    Qwen2Config(**QWEN15).save_pretrained(tmp_path)
+    GiB = 2**30
+
+    def cfg(tokens: int, k: int | str = "auto") -> grpo.GRPOConfig:
+        return grpo.GRPOConfig(
+            model=actor.ModelConfig(path=str(tmp_path), gradient_checkpointing_layers=k),
+            actor=actor.ActorConfig(
+                ppo_mini_batch_size=64, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens
+            ),
+            rollout=rollout.RolloutConfig(gpu_memory_utilization=0.3, n=8),
+            data=rl.RLDataConfig(train_batch_size=64, max_prompt_length=256, max_response_length=512),
+        )
+
+    def plan(tokens: int, k: int) -> tuple[float, float, float]:
+        """(update, its backward without the optimizer step, the largest other phase), GiB"""
+        parts = perf.plan(cfg(tokens, k), 1, device_total=79.2 * GiB).phases
+        other = max(sum(parts[n].values()) for n in ("gen", "old_logprob", "sync"))
+        total = sum(parts["update"].values())
+        return total / GiB, (total - parts["update"]["optimizer step"]) / GiB, other / GiB
+
+    floor, _, other = plan(4096, 28)
+    assert (
+        floor * perf.AUTO_CHECKPOINT_MARGIN > other
+    )  # the step sets the update's plan: the old rule gave "all"
+    chosen = {t: perf.resolve_auto_checkpointing(cfg(t), 1, 79.2 * GiB)[0].model.gradient_checkpointing_layers
+              for t in (2048, 4096, 16384)}  # fmt: skip
+    assert chosen[2048] == 0 and 0 < chosen[4096] < 10 and chosen[16384] == 27, chosen
+    k = chosen[4096]
+    total, backward, _ = plan(4096, k)
+    assert (
+        abs(total - floor) < 1e-6 and backward * perf.AUTO_CHECKPOINT_MARGIN <= floor
+    )  # the peak is the same
+    total, backward, _ = plan(
+        4096, k - 1
+    )  # one layer fewer: the backward, with the margin, would pass the step
+    assert backward * perf.AUTO_CHECKPOINT_MARGIN > max(floor, other)
+
+
 def test_auto_checkpointing_sizes_the_ppo_critic_on_its_own_phase(tmp_path):
     """ppo.py: the critic's auto is sized on its update_critic phase; a critic left at 'all' or a number stays."""
     Qwen2Config(**QWEN15).save_pretrained(tmp_path)
