@@ -33,6 +33,8 @@
 #                                      where the loop's call spends its 1.136x of the call alone (d03c3d6)
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from);
 #                                      STEPS (4) steps, then bare vLLM's runs
+#   tokens     (no carry, ~6 min est. at 1.5b) flatrl alone at $MODEL: the defaults, then TOKENS-token (4,096)
+#                                      micro-batches with auto checkpointing, each without bare vLLM
 #   trl        (no carry, a job, 128 s at 1.5b on a fast H100 host)  TRL alone at $MODEL, flatrl's figures from the
 #                                      flatrl part's JSON on this machine (--flatrl-from): the flatrl, verl and trl
 #                                      parts give one machine's row of all three in one lease (e3556ff: 1.5b in
@@ -254,6 +256,15 @@ elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min a
   start_job e2e-flatrl-$MODEL python3 bench/bench_e2e.py --model "$MODEL" --workdir "$WORK" --skip-trl \
     --steps "${STEPS:-4}" --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
   follow_job
+elif [ "$part" = tokens ]; then  # flatrl alone at $MODEL, in one call: the defaults (16,384-token micro-batches, every
+  # layer recomputed), then TOKENS-token ones (4,096) with auto checkpointing, which keeps layers whole under the
+  # update's optimizer step where the offloaded AdamW state's return sets its peak (1.5B on an H100: 4 of 28 layers
+  # recompute by the plan; the recomputation is about a quarter of the update's work)
+  run e2e-tokens-defaults python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --out "$OUT/e2e_tokens_defaults_$MODEL.json"
+  run e2e-tokens python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
+    --bare-vllm off "${peers_from[@]}" --token-budget "${TOKENS:-4096}" --checkpoint-layers auto \
+    --out "$OUT/e2e_tokens_${TOKENS:-4096}_$MODEL.json"
 elif [ "$part" = trl ]; then  # TRL alone at $MODEL against the flatrl part's figures on this machine (128 s at 1.5b
   # on a fast H100 host, 2026-12-07), so flatrl, TRL and verl share one machine in one lease: flatrl, verl, trl
   from=$WORK/json/e2e_defaults_$MODEL.json
