@@ -163,6 +163,7 @@ def flatrl_config(args: argparse.Namespace, model: str, data: str, run_dir: str)
         "trainer": {
             "default_local_dir": run_dir, "total_training_steps": args.steps, "val_before_train": False,
             "logger": ["console", "jsonl"], "resume_mode": "disable",
+            "save_freq": -1,  # no checkpoint, as the peers' runs (TRL's save_strategy "no", verl's save_freq -1)
         },
     }  # fmt: skip
     if args.lora:

@@ -260,8 +260,10 @@ elif [ "$part" = tokens ]; then  # flatrl alone at $MODEL, in one call: the defa
   # layer recomputed), then TOKENS-token ones (4,096) with auto checkpointing, which keeps layers whole under the
   # update's optimizer step where the offloaded AdamW state's return sets its peak (1.5B on an H100: 4 of 28 layers
   # recompute by the plan; the recomputation is about a quarter of the update's work)
-  run e2e-tokens-defaults python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
-    --bare-vllm off "${peers_from[@]}" --out "$OUT/e2e_tokens_defaults_$MODEL.json"
+  # the defaults' JSON is kept for the trl and verl parts of this machine (--flatrl-from) when the run exits 0
+  run e2e-tokens-defaults bash -c "python3 bench/bench_e2e.py --model $MODEL ${path_args[*]} --workdir $WORK \
+    --skip-trl --bare-vllm off ${peers_from[*]} --out $OUT/e2e_tokens_defaults_$MODEL.json && mkdir -p $WORK/json \
+    && cp $OUT/e2e_tokens_defaults_$MODEL.json $WORK/json/e2e_defaults_$MODEL.json"
   run e2e-tokens python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
     --bare-vllm off "${peers_from[@]}" --token-budget "${TOKENS:-4096}" --checkpoint-layers auto \
     --out "$OUT/e2e_tokens_${TOKENS:-4096}_$MODEL.json"

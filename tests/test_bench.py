@@ -554,3 +554,40 @@ def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
     assert last.count("--peers-from") == 3
     for name in ("e2e_defaults_1.5b.json", "e2e_trl_1.5b.json", "e2e_verl_1.5b.json"):
         assert f"--peers-from {work / 'json' / name}" in last
+
+
+def test_run_h200_tokens_part_runs_both_and_keeps_the_defaults_for_trl(tmp_path):
+    """The tokens part: flatrl's defaults, then TOKENS-token micro-batches with auto checkpointing, neither with bare
+    vLLM; the defaults' JSON (from a run that exited 0) becomes the flatrl figures of the trl part that follows."""
+    stub, work = tmp_path / "bin", tmp_path / "work"
+    stub.mkdir()
+    (stub / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        '[ "$1" = bench/bench_e2e.py ] || exit 0\n'
+        f'echo "$*" >> {tmp_path}/calls\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+        'mkdir -p "$(dirname "$out")"; echo \'{"flatrl": {"step_s": 1.0}}\' > "$out"\n'
+    )
+    (stub / "python3").chmod(0o755)
+    env = os.environ | {"PATH": f"{stub}:{os.environ['PATH']}", "POLL_S": "1", "WORK": str(work)}
+    env |= {"FLATRL_COMMIT": "test", "MODEL": "1.5b", "WAIT_S": "30"}
+    cmd = ["bash", str(ROOT / "bench" / "run_h200.sh")]
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [*cmd, "tokens"], cwd=ROOT, env=env | {"OUT": str(out)}, capture_output=True, text=True
+    )
+    assert p.returncode == 0 and "FAILED" not in p.stdout, p.stdout + p.stderr
+    defaults, tokens = (tmp_path / "calls").read_text().splitlines()
+    assert (
+        "--bare-vllm off" in defaults
+        and "--token-budget" not in defaults
+        and "--checkpoint-layers" not in defaults
+    )
+    assert "--bare-vllm off" in tokens and "--token-budget 4096 --checkpoint-layers auto" in tokens
+    assert (out / "e2e_tokens_4096_1.5b.json").exists()
+    kept = work / "json" / "e2e_defaults_1.5b.json"
+    assert kept.read_bytes() == (out / "e2e_tokens_defaults_1.5b.json").read_bytes()
+    p = subprocess.run(
+        [*cmd, "trl"], cwd=ROOT, env=env | {"OUT": str(tmp_path / "o2")}, capture_output=True, text=True
+    )
+    assert p.returncode == 0 and f"--flatrl-from {kept}" in (tmp_path / "calls").read_text().splitlines()[-1]
