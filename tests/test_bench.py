@@ -519,23 +519,28 @@ def test_run_h200_job_outlives_its_call(tmp_path):
     assert "e2e-flatrl-0.5b ended without an exit status" in gone.stdout and time.monotonic() - t0 < 15
 
 
-def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
-    """The flatrl-only parts pass bench_e2e one --peers-from for each earlier part's JSON on this machine (the
-    flatrl part's, TRL's, verl's), and the trl part runs TRL alone against the flatrl part's figures, refusing
-    to start without them. bench_e2e.py is a stub that logs its arguments and writes its --out."""
-    stub, work = tmp_path / "bin", tmp_path / "work"
+def bench_e2e_stub(tmp_path: Path, out_json: str) -> dict[str, str]:
+    """The environment of a run_h200.sh call whose python3 is a stub: bench_e2e.py's arguments are appended to
+    tmp_path/calls and its --out gets `out_json`; any other python3 command does nothing."""
+    stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "python3").write_text(
         "#!/usr/bin/env bash\n"
         '[ "$1" = bench/bench_e2e.py ] || exit 0\n'
         f'echo "$*" >> {tmp_path}/calls\n'
         'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
-        'mkdir -p "$(dirname "$out")"; echo \'{"trl": {"step_s": 2.0}}\' > "$out"\n'
+        f'mkdir -p "$(dirname "$out")"; echo \'{out_json}\' > "$out"\n'
     )
     (stub / "python3").chmod(0o755)
-    env = dict(
-        os.environ, PATH=f"{stub}:{os.environ['PATH']}", POLL_S="1", WORK=str(work), FLATRL_COMMIT="test"
-    )
+    return dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", POLL_S="1")
+
+
+def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
+    """The flatrl-only parts pass bench_e2e one --peers-from for each earlier part's JSON on this machine (the
+    flatrl part's, TRL's, verl's), and the trl part runs TRL alone against the flatrl part's figures, refusing
+    to start without them. bench_e2e.py is a stub that logs its arguments and writes its --out."""
+    work = tmp_path / "work"
+    env = bench_e2e_stub(tmp_path, '{"trl": {"step_s": 2.0}}') | {"WORK": str(work), "FLATRL_COMMIT": "test"}
 
     def part(name: str, **extra: str) -> subprocess.CompletedProcess:
         e = env | {"OUT": str(tmp_path / f"out_{name}"), "WAIT_S": "30"} | extra
@@ -559,18 +564,9 @@ def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
 def test_run_h200_tokens_part_runs_both_and_keeps_the_defaults_for_trl(tmp_path):
     """The tokens part: flatrl's defaults, then TOKENS-token micro-batches with auto checkpointing, neither with bare
     vLLM; the defaults' JSON (from a run that exited 0) becomes the flatrl figures of the trl part that follows."""
-    stub, work = tmp_path / "bin", tmp_path / "work"
-    stub.mkdir()
-    (stub / "python3").write_text(
-        "#!/usr/bin/env bash\n"
-        '[ "$1" = bench/bench_e2e.py ] || exit 0\n'
-        f'echo "$*" >> {tmp_path}/calls\n'
-        'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
-        'mkdir -p "$(dirname "$out")"; echo \'{"flatrl": {"step_s": 1.0}}\' > "$out"\n'
-    )
-    (stub / "python3").chmod(0o755)
-    env = os.environ | {"PATH": f"{stub}:{os.environ['PATH']}", "POLL_S": "1", "WORK": str(work)}
-    env |= {"FLATRL_COMMIT": "test", "MODEL": "1.5b", "WAIT_S": "30"}
+    work = tmp_path / "work"
+    env = bench_e2e_stub(tmp_path, '{"flatrl": {"step_s": 1.0}}')
+    env |= {"WORK": str(work), "FLATRL_COMMIT": "test", "MODEL": "1.5b", "WAIT_S": "30"}
     cmd = ["bash", str(ROOT / "bench" / "run_h200.sh")]
     out = tmp_path / "out"
     p = subprocess.run(
