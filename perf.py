@@ -650,10 +650,10 @@ def resolve_auto_checkpointing(
     """cfg with each gradient_checkpointing_layers=auto (the policy's model, PPO's critic.model) replaced by the
     fewest decoder layers that keep its update phase's plan, times AUTO_CHECKPOINT_MARGIN, at or under the largest
     phase without an update (gen, old_logprob, sync: with the engine awake its share sets the step's peak), or,
-    where the update's optimizer step sets the update's plan with every layer recomputed (an offloaded AdamW state
-    back on the device: 1.5B on an 80 GB H100), that keep the plan there and its backward, times the margin, under
-    the larger of the two; and a line for each saying what it came to. Without a CUDA device the engine's share is unknown (0 in the plan),
-    so auto comes to all layers or nearly."""
+    where the update's optimizer step sets the update's plan with every layer recomputed (an offloaded AdamW
+    state back on the device: 1.5B on an 80 GB H100), that keep the plan there and its backward, times the
+    margin, under the larger of the two; and a line for each saying what it came to. Without a CUDA device the
+    engine's share is unknown (0 in the plan), so auto comes to all layers or nearly."""
     targets = [("model", "update", cfg.model)]
     if getattr(cfg, "critic", None) is not None:
         targets.append(("critic.model", "update_critic", cfg.critic.model))
