@@ -258,8 +258,8 @@ elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min a
   follow_job
 elif [ "$part" = tokens ]; then  # flatrl alone at $MODEL, in one call: the defaults (16,384-token micro-batches, every
   # layer recomputed), then TOKENS-token ones (4,096) with auto checkpointing, which keeps layers whole under the
-  # update's optimizer step where the offloaded AdamW state's return sets its peak (1.5B on an H100, compiled layers: none of 28
-  # recomputes by the plan, 4 eager; the recomputation is about a quarter of the update's work)
+  # update's optimizer step where the offloaded AdamW state's return sets its peak (1.5B on an H100, compiled
+  # layers: none of 28 recomputes by the plan, 4 eager; the recomputation is about a quarter of the update's work)
   # the defaults' JSON is kept for the trl and verl parts of this machine (--flatrl-from) when the run exits 0
   run e2e-tokens-defaults bash -c "python3 bench/bench_e2e.py --model $MODEL ${path_args[*]} --workdir $WORK \
     --skip-trl --bare-vllm off ${peers_from[*]} --out $OUT/e2e_tokens_defaults_$MODEL.json && mkdir -p $WORK/json \
