@@ -273,6 +273,12 @@ def start(cfg: Any) -> Run:
             "does, so the same command resumes); trainer.save_freq=end saves once after the last step",
             file=sys.stderr,
         )
+    if not cfg.trainer.val_only and cfg.data.val_files and not saves(cfg.trainer.test_freq):
+        fsdp.print0(
+            f"note: trainer.test_freq={cfg.trainer.test_freq} validates only before training (val_before_train="
+            f"{cfg.trainer.val_before_train}), as in verl; trainer.test_freq=end validates after the last step too",
+            file=sys.stderr,
+        )
     for line in data.unread_template_kwargs(tokenizer, cfg.data.apply_chat_template_kwargs):
         fsdp.print0(line, file=sys.stderr)
     train = None if cfg.trainer.val_only else data.RLDataset(cfg.data.train_files, **ds_kwargs)

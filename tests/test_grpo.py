@@ -743,3 +743,24 @@ def test_gpu_bf16_reference_gives_the_fp32_policys_logprobs(one_rank, tiny_qwen2
     actor.compute_logprobs(ref, theirs, cfg.actor, actor.Layout(True, 0, device), 1.0, ref=True)
     for a, b in zip(mine, theirs, strict=True):
         assert torch.equal(a.old_logprobs, b.ref_logprobs), (a.old_logprobs, b.ref_logprobs)
+
+
+@pytest.mark.parametrize("test_freq, validated", [(-1, [0]), ("end", [0, 2]), (1, [0, 1, 2])])
+def test_test_freq_reads_as_verls(one_rank, toy_dir, tmp_path, capfd, test_freq, validated) -> None:
+    """trainer.test_freq in grpo.py: 0 or less validates only before training (verl's RL trainer, said once on
+    stderr), "end" after the last step too (flatrl's default), N every N steps and after the last."""
+    from conftest import read_metrics, toy_grpo_config
+
+    fn = tmp_path / "reward.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    cfg = toy_grpo_config(toy_dir, tmp_path / "run", fn, steps=2, lr=1e-3, test_freq=test_freq)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, val_files=str(toy_dir / "rl/val.parquet"))
+    )
+    grpo.main(cfg)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "val/reward/mean" in r] == validated
+    said = "note: trainer.test_freq=-1 validates only before training" in capfd.readouterr().err
+    assert said == (test_freq == -1)
