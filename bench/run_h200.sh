@@ -379,6 +379,6 @@ elif [ "$part" = smollm2 ]; then  # a job (part `wait` after); async at 135M: MO
     --peers "$peers" "${verl_args[@]}" --out "$jobs/$name/e2e_smollm2.json"
   follow_job
 else
-  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|smollm2-prep|smollm2"; exit 2
+  echo "usage: bash bench/run_h200.sh 1|2|3|4|toy-grpo|gen-split|gpu-tests|defaults|gen-profile|flatrl|verl|wait|verl-wait|compile|fast|best|ledger|levers|levers2|levers3|fused|share|async|tokens|trl|smollm2-prep|smollm2"; exit 2
 fi
 echo "== done $(date -u); files in $OUT:"; ls -la "$OUT"

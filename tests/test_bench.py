@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -587,3 +588,15 @@ def test_run_h200_tokens_part_runs_both_and_keeps_the_defaults_for_trl(tmp_path)
         [*cmd, "trl"], cwd=ROOT, env=env | {"OUT": str(tmp_path / "o2")}, capture_output=True, text=True
     )
     assert p.returncode == 0 and f"--flatrl-from {kept}" in (tmp_path / "calls").read_text().splitlines()[-1]
+
+
+def test_run_h200_usage_names_every_part(tmp_path):
+    """An unknown part prints the usage line and exits 2; that line names each part the script dispatches on."""
+    script = (ROOT / "bench" / "run_h200.sh").read_text()
+    parts = set(re.findall(r'\[ "\$part" = ([\w.-]+) \]', script))
+    env = bench_e2e_stub(tmp_path, "{}") | {"OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work")}
+    cmd = ["bash", str(ROOT / "bench" / "run_h200.sh"), "nope"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    usage = next(line for line in p.stdout.splitlines() if line.startswith("usage:"))
+    assert p.returncode == 2 and len(parts) > 20
+    assert parts <= set(usage.split()[-1].split("|")), sorted(parts - set(usage.split()[-1].split("|")))
