@@ -33,8 +33,9 @@
 #                                      where the loop's call spends its 1.136x of the call alone (d03c3d6)
 #   flatrl     (no carry, a job, ~3.5 min)  flatrl's defaults alone at $MODEL, kept for the verl part (--flatrl-from);
 #                                      STEPS (4) steps, then bare vLLM's runs
-#   tokens     (no carry, ~6 min est. at 1.5b) flatrl alone at $MODEL: the defaults, then TOKENS-token (4,096)
-#                                      micro-batches with auto checkpointing, each without bare vLLM
+#   tokens     (no carry, 484 s at 1.5b on a slow H100 host) flatrl alone at $MODEL: the defaults (DEFAULTS=0
+#                                      skips them), then one run per TOKENS entry BUDGET[:LAYERS] (4096:auto):
+#                                      BUDGET-token micro-batches, LAYERS recomputed (auto, all or a number); no bare vLLM
 #   trl        (no carry, a job, 128 s at 1.5b on a fast H100 host)  TRL alone at $MODEL, flatrl's figures from the
 #                                      flatrl part's JSON on this machine (--flatrl-from): the flatrl, verl and trl
 #                                      parts give one machine's row of all three in one lease (e3556ff: 1.5b in
@@ -257,16 +258,23 @@ elif [ "$part" = flatrl ]; then  # flatrl's defaults alone at $MODEL (~3.5 min a
     --steps "${STEPS:-4}" --out "$jobs/e2e-flatrl-$MODEL/e2e_defaults_$MODEL.json"
   follow_job
 elif [ "$part" = tokens ]; then  # flatrl alone at $MODEL, in one call: the defaults (16,384-token micro-batches, every
-  # layer recomputed), then TOKENS-token ones (4,096) with auto checkpointing, which keeps layers whole under the
-  # update's optimizer step where the offloaded AdamW state's return sets its peak (1.5B on an H100, compiled
-  # layers: none of 28 recomputes by the plan, 4 eager; the recomputation is about a quarter of the update's work)
-  # the defaults' JSON is kept for the trl and verl parts of this machine (--flatrl-from) when the run exits 0
-  run e2e-tokens-defaults bash -c "python3 bench/bench_e2e.py --model $MODEL ${path_args[*]} --workdir $WORK \
-    --skip-trl --bare-vllm off ${peers_from[*]} --out $OUT/e2e_tokens_defaults_$MODEL.json && mkdir -p $WORK/json \
-    && cp $OUT/e2e_tokens_defaults_$MODEL.json $WORK/json/e2e_defaults_$MODEL.json"
-  run e2e-tokens python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" --skip-trl \
-    --bare-vllm off "${peers_from[@]}" --token-budget "${TOKENS:-4096}" --checkpoint-layers auto \
-    --out "$OUT/e2e_tokens_${TOKENS:-4096}_$MODEL.json"
+  # layer recomputed), then a run for each TOKENS entry BUDGET[:LAYERS], default 4096:auto (auto checkpointing keeps
+  # layers whole under the update's optimizer step where the offloaded AdamW state's return sets its peak: 1.5B on an
+  # H100, compiled layers: none of 28 by the plan). At 8de09b6 (a slow host) 4096:auto lost 4.8 s: the update's
+  # host work per micro-batch outlasts its GPU work; next, 8192:0 (35.1 GiB by the plan) and 16384:14 (40.4 GiB).
+  # The defaults' JSON is kept for the trl and verl parts of this machine (--flatrl-from) when the run exits 0.
+  if [ "${DEFAULTS:-1}" != 0 ]; then
+    run e2e-tokens-defaults bash -c "python3 bench/bench_e2e.py --model $MODEL ${path_args[*]} --workdir $WORK \
+      --skip-trl --bare-vllm off ${peers_from[*]} --out $OUT/e2e_tokens_defaults_$MODEL.json && mkdir -p $WORK/json \
+      && cp $OUT/e2e_tokens_defaults_$MODEL.json $WORK/json/e2e_defaults_$MODEL.json"
+  fi
+  for entry in ${TOKENS:-4096:auto}; do
+    budget=${entry%%:*} layers=auto
+    [ "$entry" != "$budget" ] && layers=${entry#*:}
+    run "e2e-tokens-$budget-$layers" python3 bench/bench_e2e.py --model "$MODEL" "${path_args[@]}" --workdir "$WORK" \
+      --skip-trl --bare-vllm off "${peers_from[@]}" --token-budget "$budget" --checkpoint-layers "$layers" \
+      --out "$OUT/e2e_tokens_${budget}_${layers}_$MODEL.json"
+  done
 elif [ "$part" = trl ]; then  # TRL alone at $MODEL against the flatrl part's figures on this machine (128 s at 1.5b
   # on a fast H100 host, 2026-12-07), so flatrl, TRL and verl share one machine in one lease: flatrl, verl, trl
   from=$WORK/json/e2e_defaults_$MODEL.json

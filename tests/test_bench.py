@@ -563,8 +563,9 @@ def test_run_h200_parts_take_the_peers_from_every_part_before_them(tmp_path):
 
 
 def test_run_h200_tokens_part_runs_both_and_keeps_the_defaults_for_trl(tmp_path):
-    """The tokens part: flatrl's defaults, then TOKENS-token micro-batches with auto checkpointing, neither with bare
-    vLLM; the defaults' JSON (from a run that exited 0) becomes the flatrl figures of the trl part that follows."""
+    """The tokens part: flatrl's defaults, then one run per TOKENS entry BUDGET[:LAYERS] (4096:auto when unset),
+    none with bare vLLM; the defaults' JSON (from a run that exited 0) becomes the flatrl figures of the trl part that
+    follows; DEFAULTS=0 runs the entries alone."""
     work = tmp_path / "work"
     env = bench_e2e_stub(tmp_path, '{"flatrl": {"step_s": 1.0}}')
     env |= {"WORK": str(work), "FLATRL_COMMIT": "test", "MODEL": "1.5b", "WAIT_S": "30"}
@@ -581,13 +582,22 @@ def test_run_h200_tokens_part_runs_both_and_keeps_the_defaults_for_trl(tmp_path)
         and "--checkpoint-layers" not in defaults
     )
     assert "--bare-vllm off" in tokens and "--token-budget 4096 --checkpoint-layers auto" in tokens
-    assert (out / "e2e_tokens_4096_1.5b.json").exists()
+    assert (out / "e2e_tokens_4096_auto_1.5b.json").exists()
     kept = work / "json" / "e2e_defaults_1.5b.json"
     assert kept.read_bytes() == (out / "e2e_tokens_defaults_1.5b.json").read_bytes()
     p = subprocess.run(
         [*cmd, "trl"], cwd=ROOT, env=env | {"OUT": str(tmp_path / "o2")}, capture_output=True, text=True
     )
     assert p.returncode == 0 and f"--flatrl-from {kept}" in (tmp_path / "calls").read_text().splitlines()[-1]
+    (tmp_path / "calls").unlink()
+    extra = {"OUT": str(tmp_path / "o3"), "DEFAULTS": "0", "TOKENS": "8192:0 16384:14 2048"}
+    p = subprocess.run([*cmd, "tokens"], cwd=ROOT, env=env | extra, capture_output=True, text=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert p.returncode == 0 and len(calls) == 3, p.stdout + p.stderr
+    for call, args in zip(calls, ("8192 --checkpoint-layers 0", "16384 --checkpoint-layers 14",
+                                  "2048 --checkpoint-layers auto"), strict=True):  # fmt: skip
+        assert f"--token-budget {args} " in call
+    assert (tmp_path / "o3" / "e2e_tokens_16384_14_1.5b.json").exists()
 
 
 def test_run_h200_usage_names_every_part(tmp_path):
