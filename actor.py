@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -650,13 +651,19 @@ def update(
             backward, where loss_fn's own collectives fall, to pair them (every rank runs the same number of
             micro-batches; grpo.py's rollout_bypass all-reduces in each).
     Returns:
-        loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks.
+        loss_fn's metrics and {prefix}grad_norm, each the mean over the optimizer steps, all ranks; and this rank's
+        seconds in the micro-batches' forwards and backwards (with the gradient norm) and in the optimizer steps
+        (with an offloaded state's return), summed over the update, with the micro-batch count:
+        perf/{name}_micro_batches_s, perf/{name}_optimizer_step_s, perf/{name}_micro_batch_count ({name}: the prefix
+        without its slash). Both times end at a device sync that runs anyway (the norm's) or once a step.
     """
     world, P = dist.get_world_size(), sp.size_of(model)
     # SP: the ranks of a group train the group's samples together
     samples, n_prompts, _ = sp.share_samples(model, samples, n_prompts)
     sums: dict[str, torch.Tensor] = {}  # metric sums, device tensors until the update ends (no sync per pass)
     grad_norms = []
+    seconds = {"micro_batches": 0.0, "optimizer_step": 0.0}
+    n_micro_batches = 0
     for _ in range(cfg.ppo_epochs):
         for idx in mini_batches(samples, n_prompts, cfg.ppo_mini_batch_size, P):
             # over the data-parallel ranks: the P ranks of an SP group hold the same samples
@@ -666,7 +673,8 @@ def update(
             valid_tokens = max(fsdp.all_reduce(sum(len(samples[i].response_ids) for i in idx)) / P, 1.0)
             seqs = fsdp.all_reduce(len(idx)) / P
             groups = micro_batches(samples, idx, cfg, P)
-            loss_sum = 0.0
+            n_micro_batches += len(groups)
+            loss_sum, start = 0.0, time.perf_counter()
             for k, g in enumerate(groups):
                 model.set_requires_gradient_sync(k == len(groups) - 1)  # reduce-scatter once per mini-batch
                 mb = MicroBatch.of([samples[i] for i in g], layout, tokens, seqs, valid_tokens)
@@ -683,14 +691,22 @@ def update(
                 loss_sum = loss_sum + loss.detach()
                 for name, v in metrics.items():
                     sums[name] = sums.get(name, 0.0) + v
-            grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)
+            grad_norm = fsdp.grad_norm_and_clip(model, cfg.grad_clip)  # a float: the backward has run
+            stepped = time.perf_counter()
+            seconds["micro_batches"] += stepped - start
             if guard.take_step(
                 fsdp.all_reduce(float(loss_sum)) / P, grad_norm
             ):  # global numbers: all ranks agree
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if layout.device.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels (and the state's copies back) have run
+            seconds["optimizer_step"] += time.perf_counter() - stepped
             grad_norms.append(grad_norm)
     out = {name: fsdp.all_reduce(float(v)) / P / len(grad_norms) for name, v in sums.items()}
+    name = prefix.rstrip("/")
+    out |= {f"perf/{name}_{part}_s": s for part, s in seconds.items()}
+    out[f"perf/{name}_micro_batch_count"] = float(n_micro_batches)
     return out | {f"{prefix}grad_norm": sum(grad_norms) / len(grad_norms)}
 
 

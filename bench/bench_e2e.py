@@ -244,6 +244,10 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
     # the same medians: what the generation phase adds to vLLM's own call
     gen_parts = {k.removeprefix("perf/gen_").removesuffix("_s"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
                  for k in rows[-1] if k.startswith("perf/gen_") and k != "perf/gen_ahead_s"}  # fmt: skip
+    # the update in parts (actor.update): its micro-batches' forwards and backwards, its optimizer step, and how
+    # many micro-batches, the same medians
+    update_parts = {k.removeprefix("perf/actor_"): statistics.median(r.get(k, 0) for r in rows[1:] or rows)
+                    for k in rows[-1] if k.startswith("perf/actor_")}  # fmt: skip
     # --async-steps 1: the background generation's own time (its exposed part is phases_s["gen_wait"])
     ahead = [r["perf/gen_ahead_s"] for r in rows[1:] if r.get("perf/gen_ahead_s") is not None]
     memory = {}  # phase -> the largest peak allocated / device used over the steps, GiB
@@ -261,7 +265,7 @@ def run_flatrl(args: argparse.Namespace, model: str, data: str, work: str) -> di
                     m[what] = max(m.get(what, 0.0), v)
     out = {
         "step_s": statistics.median(steps[1:] or steps), "first_step_s": steps[0], "steps_s": steps,
-        "phases_s": phases, "gen_parts_s": gen_parts, "gc_s_by_phase": gc_s,
+        "phases_s": phases, "gen_parts_s": gen_parts, "update_parts_s": update_parts, "gc_s_by_phase": gc_s,
         # each step's generation phase after the first: the spread behind the median that meets bare vLLM's figure
         "gen_s_each": [r["timing_s/gen"] for r in rows[1:] if "timing_s/gen" in r],
         # and, in the same steps, vLLM's call, this process's CPU seconds in it, the host's steal time and

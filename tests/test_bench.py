@@ -172,6 +172,12 @@ def test_bench_e2e(tmp_path, work):
     assert len(f["gen_s_each"]) == 1 and f["gen_s_each"][0] == gen  # the steps after the first, each
     each = f["gen_call_each"]  # and vLLM's call in them, with its CPU and steal seconds
     assert each["engine"] == [parts["engine"]] and each["engine_cpu"][0] > 0 and each["engine_steal"][0] >= 0
+    # the update in parts (perf/actor_*): its micro-batches and optimizer step inside the phase
+    up = f["update_parts_s"]
+    assert (
+        up["micro_batch_count"] >= 1
+        and up["micro_batches_s"] + up["optimizer_step_s"] <= f["phases_s"]["update"]
+    )
     # CPU: no CUDA memory per phase; the console's memory lines are a list (vLLM's own where it logs them)
     assert f["outside_torch_by_phase_gib"] == {} and isinstance(f["memory_log"], list)
     assert r["trl"]["skipped"]  # TRL is a GPU-only peer
@@ -448,8 +454,8 @@ def test_e2e_table_has_bare_vllms_generation_and_its_shares(monkeypatch, tmp_pat
 
 
 def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
-    """Below the table: each file's flatrl memory outside torch's allocator by phase and its memory lines; a file
-    from before they were kept gives nothing."""
+    """Below the table: each file's flatrl memory outside torch's allocator by phase and its memory lines, its
+    generation and update phases in parts; a file from before they were kept gives nothing."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import e2e_table
 
@@ -459,6 +465,11 @@ def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
     d["flatrl"]["outside_torch_by_phase_gib"] = {"gen": 4.29, "sleep": -19.62}
     d["flatrl"]["memory_log"] = ["memory at engine started: device used 29.14 GiB, torch reserved 24.80"]
     d["flatrl"]["gen_parts_s"] = {"wake": 0.0, "params": 0.001, "engine": 5.12, "outputs": 0.04}
+    d["flatrl"]["update_parts_s"] = {
+        "micro_batches_s": 9.6,
+        "optimizer_step_s": 0.81,
+        "micro_batch_count": 24.0,
+    }
     path = tmp_path / "e2e_new.json"
     path.write_text(json.dumps(d))
     notes = e2e_table.memory_notes([str(old), str(path)]).splitlines()
@@ -466,6 +477,8 @@ def test_e2e_table_notes_the_memory_outside_torch(monkeypatch, tmp_path):
         "e2e_new, flatrl:",
         "  generation phase 4.04 s, its generate() calls in parts (s): wake 0.00, params 0.00, engine 5.12, "
         "outputs 0.04",
+        f"  update phase {d['flatrl']['phases_s']['update']:.2f} s: 24 micro-batches 9.60 s (0.400 s each), "
+        "optimizer step 0.81 s",
         "  outside torch's allocator at each phase's end (GiB): gen 4.29, sleep -19.62",
         "  memory at engine started: device used 29.14 GiB, torch reserved 24.80",
     ]

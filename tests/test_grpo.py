@@ -163,6 +163,18 @@ def _grpo_cfg(temperature: float = 1.0, **actor_kw) -> grpo.GRPOConfig:
     )
 
 
+@pytest.mark.parametrize(("mini_batch", "epochs", "expected"), [(4, 1, 3), (4, 2, 6), (2, 1, 4)])
+def test_update_reports_its_micro_batches_and_its_parts(one_rank, tiny_qwen2, mini_batch, epochs, expected):
+    """actor.update says how many micro-batches ran (8 samples of 4 prompts, 3 a micro-batch: 3 for one mini-batch
+    of 4 prompts, 2 + 2 for two of 2, times ppo_epochs) and the seconds of their forwards and backwards and of the
+    optimizer steps, for bench_e2e's update_parts_s."""
+    model, optimizer, _ = _tiny_policy(tiny_qwen2, one_rank.device)
+    cfg = _grpo_cfg(ppo_mini_batch_size=mini_batch, ppo_epochs=epochs)
+    m = _update(model, optimizer, _random_samples(), cfg, one_rank.device)
+    assert m["perf/actor_micro_batch_count"] == expected
+    assert 0 < m["perf/actor_optimizer_step_s"] < 60 and 0 < m["perf/actor_micro_batches_s"] < 60
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_old_logprobs_from_the_update_match_a_separate_pass(one_rank, tiny_qwen2, temperature) -> None:
     """One optimizer step over the batch: taking the old logprobs from the update's own forward (detached, ratio
