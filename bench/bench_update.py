@@ -15,7 +15,10 @@ The policy as grpo.py holds it (FSDP2, fp32 master weights, bf16 compute, AdamW)
 
 Figures: trained tokens (prompt + response, padding not counted) per second; MFU = 6 x matmul params x tokens
 / seconds / 989 TFLOP/s (perf.py), also against the 787 TFLOP/s an 8192^3 bf16 matmul reaches on the H200;
-peak CUDA memory; perf.plan's update-phase estimate for the packed run next to its measured peak.
+peak CUDA memory; perf.plan's update-phase estimate for the packed run next to its measured peak; actor.update's own
+split (`update_parts_s`: the micro-batches' forwards and backwards, the optimizer steps, the micro-batch count), and
+with `--profile` on CUDA the device's busy share (its kernels' and copies' time over the timed updates' wall: below 1
+the device waited for the host). `--checkpoint-layers N` recomputes the first N layers (with --gradient-checkpointing).
 
     python bench/bench_update.py --sizes 0.5b,1.5b --out $OUT/update.json      # H200: ~3 min
     python bench/bench_update.py --toy --out /tmp/update_toy.json               # CPU: ~30 s
@@ -100,9 +103,12 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
     update()  # warm-up
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    parts: dict[str, float] = {}  # actor.update's own split (perf/actor_*), summed over the timed updates
     with Clock() as c, profiled(args.profile) as prof:
         for _ in range(args.steps):
-            update()
+            for k, v in update().items():
+                if k.startswith("perf/actor_"):
+                    parts[k.removeprefix("perf/actor_")] = parts.get(k.removeprefix("perf/actor_"), 0.0) + v
     with Clock() as lp:
         actor.compute_logprobs(policy, samples, actor_cfg, layout, 1.0)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -118,6 +124,7 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         "mfu_attn": m["perf/mfu_attn"],
         "old_logprob_tok_per_s": sum(lengths) / lp.s,
         "micro_batches": len(actor.micro_batches(samples, list(range(len(samples))), actor_cfg)),
+        "update_parts_s": parts,
     }
     if prof is not None:  # where the update's time goes: the top operators by their own device (or CPU) time
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -126,6 +133,11 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         # host work: every aten op is one dispatch (and on GPU mostly one launch); at small hidden sizes the
         # update is bound by how many there are, not by their FLOPs
         out["aten_ops_per_update"] = sum(e.count for e in events if e.key.startswith("aten::")) // args.steps
+        if (
+            torch.cuda.is_available()
+        ):  # the device's own time over the timed updates' wall: below 1, it waited
+            device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+            out["device_busy_share"] = device_us / 1e6 / c.s
         print(out["profile_top"], flush=True)
     if torch.cuda.is_available():
         out |= {
@@ -144,6 +156,7 @@ def bench_size(size: str, args: argparse.Namespace, d: fsdp.Dist, work: str) -> 
         lora_rank=args.lora_rank,
         lora_alpha=2.0 * args.lora_rank,
         enable_gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_layers=args.checkpoint_layers,
     )
     policy, _ = actor.load(model_cfg, d.device)
     optimizer, _ = optim.build(policy.parameters(), actor.ActorConfig().optim, total_steps=100)
@@ -194,7 +207,7 @@ def main(args: argparse.Namespace) -> dict:
     sizes = common.per_size(args.sizes, lambda size: bench_size(size, args, d, work))
     settings = {k: getattr(args, k) for k in ("num_prompts", "n", "prompt_len", "short_len", "long_len")}
     settings |= {k: getattr(args, k) for k in ("token_budget", "micro_batch_size", "steps", "mini_batches")}
-    settings |= {k: getattr(args, k) for k in ("lora_rank", "gradient_checkpointing")}
+    settings |= {k: getattr(args, k) for k in ("lora_rank", "gradient_checkpointing", "checkpoint_layers")}
     result = {
         "bench": "update",
         "sizes": sizes,
@@ -228,6 +241,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (alpha 2 x rank)"
     )
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--checkpoint-layers",
+        default="all",
+        type=lambda v: v if v == "all" else int(v),
+        help="with --gradient-checkpointing: model.gradient_checkpointing_layers, all (default) or the first N layers",
+    )
     p.add_argument("--profile", action="store_true", help="print (and keep) torch.profiler's top operators")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)

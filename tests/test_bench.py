@@ -140,11 +140,20 @@ def test_bench_push(tmp_path, work):
 
 @pytest.mark.slow
 def test_bench_update(tmp_path, work):
-    r = run_bench("bench_update.py", tmp_path, work, "--modes", "packed,padded,fused,compiled")
+    r = run_bench(
+        "bench_update.py", tmp_path, work, "--modes", "packed,padded,fused,compiled",
+        "--gradient-checkpointing", "--checkpoint-layers", "1",
+    )  # fmt: skip
     toy = r["sizes"]["toy"]
+    assert r["settings"]["checkpoint_layers"] == 1
     for mode in ("packed", "padded", "fused", "compiled"):
         assert toy[mode]["tok_per_s"] > 0 and 0 < toy[mode]["mfu"] < 1 and toy[mode]["tokens"] > 0
     assert toy["packed"]["tokens"] == toy["padded"]["tokens"]  # the same samples, padding not counted
+    # actor.update's split (one update timed): the samples' micro-batches, cut in two mini-batches (at most one
+    # more), and their seconds
+    for mode in ("packed", "padded"):
+        parts, whole = toy[mode]["update_parts_s"], toy[mode]["micro_batches"]
+        assert whole <= parts["micro_batch_count"] <= whole + 1 and parts["micro_batches_s"] > 0
     assert toy["packed_vs_padded"] > 0 and toy["plan_update_gib"] > 0
     # the fused head (model.use_fused_kernels) runs the packed layout's micro-batches
     assert toy["fused"]["tokens"] == toy["packed"]["tokens"] and toy["fused_vs_packed"] > 0
