@@ -699,8 +699,10 @@ def update(
             ):  # global numbers: all ranks agree
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # the step's kernels (and the state's copies back) have run: this stream's, so that an engine
+            # generating ahead in a thread (rollout.async_steps) is not waited for
             if layout.device.type == "cuda":
-                torch.cuda.synchronize()  # the step's kernels (and the state's copies back) have run
+                torch.cuda.current_stream().synchronize()
             seconds["optimizer_step"] += time.perf_counter() - stepped
             grad_norms.append(grad_norm)
     out = {name: fsdp.all_reduce(float(v)) / P / len(grad_norms) for name, v in sums.items()}

@@ -108,7 +108,8 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         for _ in range(args.steps):
             for k, v in update().items():
                 if k.startswith("perf/actor_"):
-                    parts[k.removeprefix("perf/actor_")] = parts.get(k.removeprefix("perf/actor_"), 0.0) + v
+                    k = k.removeprefix("perf/actor_")
+                    parts[k] = parts.get(k, 0.0) + v
     with Clock() as lp:
         actor.compute_logprobs(policy, samples, actor_cfg, layout, 1.0)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -133,9 +134,8 @@ def run_mode(policy, optimizer, samples, args, packed: bool, device) -> dict:
         # host work: every aten op is one dispatch (and on GPU mostly one launch); at small hidden sizes the
         # update is bound by how many there are, not by their FLOPs
         out["aten_ops_per_update"] = sum(e.count for e in events if e.key.startswith("aten::")) // args.steps
-        if (
-            torch.cuda.is_available()
-        ):  # the device's own time over the timed updates' wall: below 1, it waited
+        # the device's own time over the timed updates' wall: below 1, it waited for the host
+        if torch.cuda.is_available():
             device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
             out["device_busy_share"] = device_us / 1e6 / c.s
         print(out["profile_top"], flush=True)

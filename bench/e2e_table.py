@@ -128,9 +128,9 @@ def table(paths: list[str]) -> str:
 def memory_notes(paths: list[str]) -> str:
     """Where each file's flatrl run kept its device memory outside torch's allocator (bench_e2e's
     outside_torch_by_phase_gib, memory_log), its generation and update phases in parts (gen_parts_s, update_parts_s),
-    and each step's vLLM call beside the host's speed and the device's busy share then (host_loop_ms_gen_each, gpu_busy_pct_gen_each, since
-    864d4e1's lease) and when the steps' peak device memory was sampled (peak_device_used_where), one block a file;
-    empty when none has them."""
+    and each step's vLLM call beside the host's speed and the device's busy share then (host_loop_ms_gen_each,
+    gpu_busy_pct_gen_each, since 864d4e1's lease) and when the steps' peak device memory was sampled
+    (peak_device_used_where), one block a file; empty when none has them."""
     blocks = []
     for p in paths:
         f = json.loads(Path(p).read_text()).get("flatrl") or {}
@@ -145,9 +145,8 @@ def memory_notes(paths: list[str]) -> str:
                 f"  generation phase {gen:.2f} s, its generate() calls in parts (s): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
             )
-        if up := f.get(
-            "update_parts_s"
-        ):  # actor.update's split: many small micro-batches show a host-bound update
+        # actor.update's split: a host-bound update shows as seconds per micro-batch that do not shrink with its tokens
+        if up := f.get("update_parts_s"):
             n, mb_s = up.get("micro_batch_count", 0), up.get("micro_batches_s", 0.0)
             lines.append(
                 f"  update phase {(f.get('phases_s') or {}).get('update', 0.0):.2f} s: {n:.0f} micro-batches "
