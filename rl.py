@@ -275,8 +275,10 @@ def start(cfg: Any) -> Run:
         )
     if not cfg.trainer.val_only and cfg.data.val_files and not saves(cfg.trainer.test_freq):
         fsdp.print0(
-            f"note: trainer.test_freq={cfg.trainer.test_freq} validates only before training (val_before_train="
-            f"{cfg.trainer.val_before_train}), as in verl; trainer.test_freq=end validates after the last step too",
+            f"note: trainer.test_freq={cfg.trainer.test_freq} "
+            + ("validates only before training" if cfg.trainer.val_before_train else "never validates")
+            + f" (val_before_train={cfg.trainer.val_before_train}), as in verl; trainer.test_freq=end validates after "
+            "the last step too",
             file=sys.stderr,
         )
     for line in data.unread_template_kwargs(tokenizer, cfg.data.apply_chat_template_kwargs):
